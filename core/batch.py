@@ -1,0 +1,62 @@
+"""The flat batch handed to a model family each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from heron.core.sequence import Sequence
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of the flat batch reads and writes paged KV.
+
+    Sequence ``i`` owns flat rows ``query_start_loc[i] : query_start_loc[i + 1]``; its
+    queries sit at the last ``query_len`` positions of a context of ``seq_lens[i]`` tokens
+    (the earlier ones are already in the cache). ``slot_mapping[t]`` is the flat cache slot
+    (``block_id * block_size + offset``) that row ``t`` writes its K/V to.
+    ``block_tables`` is padded with zeros past each sequence's blocks.
+    The ``*_list`` copies live on the host so CPU code never syncs on a device tensor.
+    """
+
+    slot_mapping: torch.Tensor      # [T] int64
+    query_start_loc: torch.Tensor   # [B + 1] int32
+    seq_lens: torch.Tensor          # [B] int32
+    block_tables: torch.Tensor      # [B, max_blocks] int32
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+@dataclass
+class Batch:
+    """One engine step's work, as a flat token batch.
+
+    ``logits_indices`` lists the flat rows whose logits the engine needs (the last row of
+    every sequence that samples this step, plus every prompt row of sequences that asked
+    for prompt logprobs). A family's ``forward`` returns logits for exactly those rows, in
+    that order.
+    """
+
+    seqs: list[Sequence]
+    input_ids: torch.Tensor         # [T] int64
+    positions: torch.Tensor         # [T] int64
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor    # [R] int64
+    state_slots: torch.Tensor | None = None  # [B] int64, slot of each sequence's state
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

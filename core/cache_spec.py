@@ -1,0 +1,60 @@
+"""What memory a model family needs from the engine, and what the engine hands back.
+
+A family declares a `CacheSpec`; the engine sizes and allocates every tensor in it and
+binds a `CacheTensors` to the family before the first step. Families never allocate cache
+memory themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Paged self-attention KV: one K and one V block per layer per block id."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """A fixed-size per-sequence state kept in slots (SSM conv/scan state, cross-attention KV).
+
+    ``shape`` is the shape of one slot; the engine allocates ``(num_slots, *shape)``.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None = None  # None: the model dtype
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    kv: KVCacheSpec | None = None
+    states: tuple[StateSpec, ...] = ()
+
+
+@dataclass
+class CacheTensors:
+    """Memory the engine allocated for a `CacheSpec`.
+
+    ``kv`` has shape ``(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)``;
+    ``states[name]`` has shape ``(num_slots, *spec.shape)``.
+    """
+
+    block_size: int
+    kv: torch.Tensor | None = None
+    states: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.kv is not None
+        return self.kv[layer, 0], self.kv[layer, 1]

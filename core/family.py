@@ -1,0 +1,91 @@
+"""The model-family contract: what a plugin's loaded model must provide the engine.
+
+A family plugin registers a `FamilySpec` (see `hookspecs.heron_register_families`); the
+engine calls its loader once, then talks to the returned `ModelRunner` with plain method
+calls every step.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from heron.core.batch import Batch
+from heron.core.cache_spec import CacheSpec, CacheTensors
+from heron.core.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """A model family as registered by a plugin.
+
+    ``loader`` is a ``"module:callable"`` string, imported only when a model of this family
+    is loaded (so registering never imports torch-heavy code or touches CUDA). The callable
+    takes ``(path: str, model_config: ModelConfig)`` and returns a `LoadedModel`.
+    ``architectures`` are HF ``config.json`` architecture names, ``gguf_architectures`` the
+    ``general.architecture`` values of GGUF files this family serves.
+    """
+
+    name: str
+    loader: str
+    architectures: tuple[str, ...] = ()
+    gguf_architectures: tuple[str, ...] = ()
+
+
+@dataclass
+class ModelInfo:
+    """Facts about a loaded model the engine and server need."""
+
+    name: str
+    vocab_size: int
+    max_context_len: int
+    eos_token_ids: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ModelRunner(ABC):
+    """A loaded model of one family, driven by the engine.
+
+    Lifecycle: `cache_spec` → the engine allocates → `bind_cache` → then per step
+    `alloc_sequence` (first time a sequence is scheduled), `forward`, and `free_sequence`
+    (when a sequence finishes, aborts or is preempted by recompute).
+    """
+
+    info: ModelInfo
+
+    @abstractmethod
+    def cache_spec(self) -> CacheSpec:
+        """Declare the cache memory this model needs; called once, before `bind_cache`."""
+
+    @abstractmethod
+    def bind_cache(self, cache: CacheTensors) -> None:
+        """Receive the engine-allocated cache tensors. Called once before the first step."""
+
+    def alloc_sequence(self, seq: Sequence) -> Any:
+        """Return this family's per-sequence state (stored in ``seq.family_state``), or None.
+
+        Called when a sequence is (re)scheduled with no computed tokens.
+        """
+        return None
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Release what `alloc_sequence` set up. Must not raise; called exactly once per alloc."""
+
+    @abstractmethod
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Run one step; return float32 logits ``[len(batch.logits_indices), vocab_size]``.
+
+        Must write the KV of every token in the batch at ``batch.attn.slot_mapping``.
+        Must not mutate sequences; the engine advances them after sampling.
+        """
+
+
+@dataclass
+class LoadedModel:
+    runner: ModelRunner
+    tokenizer: Any  # heron.core.tokenizer.Tokenizer, or None for a model without one

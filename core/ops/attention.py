@@ -1,0 +1,87 @@
+"""Paged attention over the engine's KV blocks: KV write, then causal attention.
+
+Cache layout per layer: ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``.
+The torch functions here are the CPU path and the reference the CUDA kernels are tested
+against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from heron.core.batch import AttentionMetadata
+
+
+def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store ``k, v [T, Hkv, D]`` at flat slots ``slot_mapping [T]`` of the caches, in place."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """Rows ``[:length]`` of the sequence whose block ids are ``blocks``: ``[.., length, H, D]``."""
+    g = cache[blocks]  # [..., nb, bs, H, D]
+    g = g.reshape(*blocks.shape[:-1], -1, *cache.shape[-2:])
+    return g[..., :length, :, :]
+
+
+def _decode_batched(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    block_size = meta.block_size
+    num_blocks = (meta.max_seq_len + block_size - 1) // block_size
+    blocks = meta.block_tables[:, :num_blocks].long()
+    k = _gather(k_cache, blocks, meta.max_seq_len).transpose(1, 2)  # [B, Hkv, L, D]
+    v = _gather(v_cache, blocks, meta.max_seq_len).transpose(1, 2)
+    keep = torch.arange(meta.max_seq_len, device=q.device)[None, :] < meta.seq_lens[:, None]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2).to(k.dtype), k, v, attn_mask=keep[:, None, None, :], scale=scale,
+        enable_gqa=True)
+    return out.squeeze(2)
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of ``q [T, Hq, D]`` over each sequence's cached context.
+
+    The KV of this step's tokens must already be written (`write_kv`). Query ``j`` of a
+    sequence with ``query_len`` queries and ``seq_len`` keys sees keys
+    ``0 .. seq_len - query_len + j``. Returns ``[T, Hq, D]`` in q's dtype.
+    """
+    if meta.is_decode_only:
+        return _decode_batched(q, k_cache, v_cache, meta, scale).to(q.dtype)
+    out = torch.empty_like(q)
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+        num_blocks = (seq_len + meta.block_size - 1) // meta.block_size
+        blocks = meta.block_tables[i, :num_blocks].long()
+        k = _gather(k_cache, blocks, seq_len).transpose(0, 1)  # [Hkv, L, D]
+        v = _gather(v_cache, blocks, seq_len).transpose(0, 1)
+        qi = q[start:start + q_len].transpose(0, 1).to(k.dtype)  # [Hq, q_len, D]
+        if q_len == seq_len:
+            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            offset = seq_len - q_len
+            rows = torch.arange(q_len, device=q.device)[:, None] + offset
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+        out[start:start + q_len] = o.transpose(0, 1).to(q.dtype)
+        start += q_len
+    return out
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping):
+    if k.is_cuda:
+        from heron.core.ops import cuda
+        return cuda.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q, k_cache, v_cache, meta, scale):
+    if q.is_cuda:
+        from heron.core.ops import cuda
+        return cuda.paged_attention(q, k_cache, v_cache, meta, scale)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale)

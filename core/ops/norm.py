@@ -1,0 +1,26 @@
+"""RMSNorm with an optional fused residual add."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Return ``(norm(x + residual) * weight, x + residual)``; without residual, ``(norm(x) * weight, None)``.
+
+    Accumulates in float32 and returns the input dtype, as transformers' LlamaRMSNorm does.
+    """
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype), residual
+
+
+def rms_norm(x, weight, eps, residual=None):
+    if x.is_cuda:
+        from heron.core.ops import cuda
+        return cuda.rms_norm(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)

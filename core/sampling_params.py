@@ -1,0 +1,60 @@
+"""Per-request generation settings, shared by the engine, sampler and server."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What a request asks of generation.
+
+    Defaults follow the OpenAI / vLLM conventions. ``temperature == 0`` means greedy.
+    ``top_k <= 0`` disables top-k; ``top_p == 1`` and ``min_p == 0`` disable those filters.
+    ``logprobs`` is the number of top alternatives returned per generated token (None: no
+    logprobs at all; 0: only the chosen token's); ``prompt_logprobs`` likewise per prompt token.
+    Logprobs are those of the model's raw distribution (before temperature and filters).
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field out of range."""
+        checks = (
+            ("n", self.n >= 1),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1),
+            ("min_tokens", self.min_tokens >= 0),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens),
+            ("temperature", self.temperature >= 0.0),
+            ("top_k", self.top_k >= -1),
+            ("top_p", 0.0 < self.top_p <= 1.0),
+            ("min_p", 0.0 <= self.min_p <= 1.0),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0),
+            ("repetition_penalty", self.repetition_penalty > 0.0),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0),
+            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0),
+        )
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"{name} is out of range: {getattr(self, name)!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0

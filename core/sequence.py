@@ -1,0 +1,74 @@
+"""The engine's per-sequence record: engine fields only, plus one opaque plugin state."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from heron.core.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One generation stream of a request (a request with ``n > 1`` owns several).
+
+    ``token_ids`` holds the prompt followed by the generated tokens. ``num_computed_tokens``
+    counts the leading tokens whose KV is written in the blocks of ``block_table``; the
+    scheduler moves it forward, preemption by recompute resets it to zero.
+    ``family_state`` is whatever the model family's ``alloc_sequence`` returned; the engine
+    never looks inside it.
+    """
+
+    __slots__ = (
+        "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
+        "block_table", "status", "params", "arrival", "family_state", "generator",
+        "finish_reason", "stop_reason",
+    )
+
+    def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams, arrival: int) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.params = params
+        self.arrival = arrival
+        self.family_state: Any = None
+        self.generator: Any = None  # torch.Generator for seeded sampling, set by the engine
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+        self.stop_reason: int | str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id}, req={self.request_id!r}, len={len(self)}, "
+                f"computed={self.num_computed_tokens}, {self.status.value})")
