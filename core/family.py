@@ -24,7 +24,8 @@ class FamilySpec:
 
     ``loader`` is a ``"module:callable"`` string, imported only when a model of this family
     is loaded (so registering never imports torch-heavy code or touches CUDA). The callable
-    takes ``(path: str, model_config: ModelConfig)`` and returns a `LoadedModel`.
+    takes ``(path: str, model_config: ModelConfig, device: torch.device, dtype: torch.dtype)``
+    and returns a `LoadedModel`.
     ``architectures`` are HF ``config.json`` architecture names, ``gguf_architectures`` the
     ``general.architecture`` values of GGUF files this family serves.
     """
@@ -74,7 +75,10 @@ class ModelRunner(ABC):
         return None
 
     def free_sequence(self, seq: Sequence) -> None:
-        """Release what `alloc_sequence` set up. Must not raise; called exactly once per alloc."""
+        """Release what `alloc_sequence` set up. Must not raise.
+
+        Called once for every `alloc_sequence` that returned something other than None.
+        """
 
     @abstractmethod
     def forward(self, batch: Batch) -> torch.Tensor:

@@ -1,0 +1,63 @@
+"""Turns the scheduler's decisions into the flat `Batch` a family runs."""
+
+from __future__ import annotations
+
+import torch
+
+from heron.core.batch import AttentionMetadata, Batch
+from heron.core.scheduler import ScheduledSeq
+
+
+class BatchBuilder:
+    """Builds host tensors for one step and moves them to the model's device in one go."""
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+
+    def build(self, scheduled: list[ScheduledSeq], prompt_logprob_seqs: set[int]) -> Batch:
+        """``prompt_logprob_seqs``: seq ids whose prompt rows in this chunk need logits too."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        logits_rows: list[int] = []
+        for item in scheduled:
+            seq, n = item.seq, item.num_tokens
+            start = seq.num_computed_tokens
+            end = start + n
+            row0 = len(input_ids)
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            query_lens.append(n)
+            seq_lens.append(end)
+            if seq.seq_id in prompt_logprob_seqs:
+                # rows predicting prompt tokens start..end-1 → the next prompt token
+                last = min(end, seq.num_prompt_tokens - 1)
+                logits_rows += range(row0, row0 + max(0, last - start))
+            if end == len(seq.token_ids):
+                logits_rows.append(row0 + n - 1)
+        max_blocks = max(len(item.seq.block_table) for item in scheduled)
+        tables = torch.tensor([item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table))
+                               for item in scheduled], dtype=torch.int32)
+        qsl = [0]
+        for n in query_lens:
+            qsl.append(qsl[-1] + n)
+        dev = self.device
+        attn = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=tables.to(dev, non_blocking=True),
+            query_lens_list=query_lens, seq_lens_list=seq_lens,
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_size=bs)
+        return Batch(
+            seqs=[item.seq for item in scheduled],
+            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
+            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
+            attn=attn,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(dev, non_blocking=True))

@@ -1,0 +1,250 @@
+"""The engine: owns memory and the schedule, and runs one step at a time.
+
+``step()`` reads as the design: schedule a batch, let the family run it, sample, update
+the sequences, emit outputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from heron.core.batch_builder import BatchBuilder
+from heron.core.block_pool import BlockPool
+from heron.core.config import Config
+from heron.core.device import resolve_device
+from heron.core.kv_cache import allocate_cache, num_kv_blocks_for
+from heron.core.model_loader import load_model
+from heron.core.outputs import RequestOutput
+from heron.core.plugins import PluginManager
+from heron.core.request import RequestState, SeqOutput
+from heron.core.logprobs import prompt_logprobs
+from heron.core.sampler import Sampler
+from heron.core.sampling_params import SamplingParams
+from heron.core.scheduler import Scheduler
+from heron.core.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """Continuous-batching inference over one model.
+
+    Not thread-safe: one caller drives ``add_request`` / ``abort`` / ``step``.
+    RequestOutputs returned by ``step`` are live views, valid until the next ``step``.
+    """
+
+    def __init__(self, config: Config, plugins: PluginManager | None = None) -> None:
+        self.config = config
+        if config.model.num_threads:
+            torch.set_num_threads(config.model.num_threads)
+        self.plugins = plugins or PluginManager()
+        self.device, self.dtype = resolve_device(config.model)
+        loaded = load_model(config.model, self.plugins, self.device, self.dtype)
+        self.runner, self.tokenizer = loaded.runner, loaded.tokenizer
+        info = self.runner.info
+        self.max_model_len = min(config.model.max_model_len or info.max_context_len,
+                                 info.max_context_len)
+        spec = self.runner.cache_spec()
+        engine = config.engine
+        self.num_kv_blocks = num_kv_blocks_for(spec, engine, self.dtype)
+        self.runner.bind_cache(allocate_cache(spec, engine, self.num_kv_blocks,
+                                              engine.max_num_seqs, self.dtype, self.device))
+        self.block_pool = BlockPool(self.num_kv_blocks)
+        self.scheduler = Scheduler(engine, self.block_pool)
+        self.sampler = Sampler(info.eos_token_ids)
+        self.batch_builder = BatchBuilder(engine.block_size, self.device)
+        self._requests: dict[str, RequestState] = {}
+        self._by_seq: dict[int, RequestState] = {}
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+
+    # -- requests ------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None) -> None:
+        """Queue a request. Raises ValueError for a prompt or params the engine cannot serve."""
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = self._encode(prompt)
+        self._check_fits(prompt_ids, params)
+        arrival = next(self._arrivals)
+        seqs, outputs = [], []
+        for index in range(params.n):
+            seq = Sequence(next(self._seq_ids), request_id, prompt_ids, params, arrival)
+            if params.seed is not None:
+                seq.generator = torch.Generator().manual_seed(params.seed + index)
+            seqs.append(seq)
+            outputs.append(SeqOutput(seq, index, self.tokenizer, self.runner.info.eos_token_ids,
+                                     self.max_model_len))
+        state = RequestState(request_id, prompt_ids, params, seqs, outputs)
+        self._requests[request_id] = state
+        for seq in seqs:
+            self._by_seq[seq.seq_id] = state
+            self.scheduler.add(seq)
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; send token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            vocab = self.runner.info.vocab_size
+            bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+            if bad is not None:
+                raise ValueError(f"prompt token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return ids
+
+    def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens; this model's context is "
+                             f"{self.max_model_len} tokens, leaving no room to generate")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"the model's context of {self.max_model_len} tokens")
+        total = n + (params.max_tokens or self.max_model_len - n)
+        engine = self.config.engine
+        if -(-total // engine.block_size) > self.num_kv_blocks:
+            raise ValueError(f"a sequence of {total} tokens needs more KV blocks than the pool "
+                             f"holds ({self.num_kv_blocks} of {engine.block_size} tokens)")
+        if not engine.chunked_prefill and total > engine.max_num_batched_tokens:
+            raise ValueError(f"without chunked prefill, prompt + max_tokens ({total}) must fit "
+                             f"engine.max_num_batched_tokens ({engine.max_num_batched_tokens})")
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free everything it holds. Unknown ids are ignored."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return None
+        for out in state.outputs:
+            out.finish("abort")
+        self._retire(state)
+        return state.snapshot()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # -- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        for seq in sched.preempted:
+            self._free_family_state(seq)
+        if not sched.scheduled:
+            return []
+        for item in sched.scheduled:
+            if item.seq.family_state is None and item.seq.num_computed_tokens == 0:
+                item.seq.family_state = self.runner.alloc_sequence(item.seq)
+        pl_seqs = {item.seq.seq_id for item in sched.scheduled
+                   if self._by_seq[item.seq.seq_id].needs_prompt_logprobs}
+        batch = self.batch_builder.build(sched.scheduled, pl_seqs)
+        touched = {self._by_seq[item.seq.seq_id].request_id: self._by_seq[item.seq.seq_id]
+                   for item in sched.scheduled}
+        for state in touched.values():
+            for out in state.outputs:
+                out.begin_step()
+        try:
+            logits = self.runner.forward(batch)
+        except Exception as e:  # a family fault fails only this step's requests
+            log.exception("model step failed")
+            for state in touched.values():
+                for out in state.outputs:
+                    out.finish("error", error=f"model step failed: {e}")
+                self._retire(state)
+            return [s.snapshot() for s in touched.values()]
+        self._postprocess(sched.scheduled, pl_seqs, logits)
+        outputs = []
+        for state in touched.values():
+            if state.finished:
+                self._retire(state)
+            outputs.append(state.snapshot())
+        return outputs
+
+    def _postprocess(self, scheduled, pl_seqs: set[int], logits: torch.Tensor) -> None:
+        row = 0
+        sample_rows, sample_seqs = [], []
+        for item in scheduled:
+            seq = item.seq
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens += item.num_tokens
+            if seq.seq_id in pl_seqs:
+                num = max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens - 1) - start)
+                self._add_prompt_logprobs(seq, logits[row:row + num], start)
+                row += num
+            if seq.num_computed_tokens == len(seq.token_ids):
+                sample_rows.append(row)
+                sample_seqs.append(seq)
+                row += 1
+        if not sample_seqs:
+            return
+        result = self.sampler.sample(logits[sample_rows], sample_seqs)
+        failed = set(result.failed_rows)
+        for i, seq in enumerate(sample_seqs):
+            out = self._by_seq[seq.seq_id].outputs[self._output_index(seq)]
+            if i in failed:
+                out.finish("error", error="the model produced non-finite logits")
+            else:
+                token = result.token_ids[i]
+                seq.token_ids.append(token)
+                out.append(token, result.logprobs[i] if result.logprobs else None)
+            if out.out.finish_reason is not None:
+                self._finish_seq(seq)
+
+    def _output_index(self, seq: Sequence) -> int:
+        return self._by_seq[seq.seq_id].seqs.index(seq)
+
+    def _add_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, start: int) -> None:
+        state = self._by_seq[seq.seq_id]
+        if seq is not state.seqs[0] or logits.shape[0] == 0:
+            return  # sibling sequences share the prompt; record it once
+        done = len(state.prompt_logprobs) - 1  # positions already covered
+        targets = state.prompt_token_ids[start + 1:start + 1 + logits.shape[0]]
+        entries = prompt_logprobs(logits, torch.tensor(targets), state.params.prompt_logprobs)
+        skip = max(0, done - start)
+        state.prompt_logprobs += entries[skip:]
+
+    def _finish_seq(self, seq: Sequence) -> None:
+        """Free a sequence's blocks and family state as soon as its output is final."""
+        self.scheduler.finish(seq)
+        self._free_family_state(seq)
+
+    def _retire(self, state: RequestState) -> None:
+        for seq in state.seqs:
+            self._finish_seq(seq)
+            self._by_seq.pop(seq.seq_id, None)
+        self._requests.pop(state.request_id, None)
+
+    def _free_family_state(self, seq: Sequence) -> None:
+        if seq.family_state is not None:
+            self.runner.free_sequence(seq)
+            seq.family_state = None
+
+    # -- offline use ---------------------------------------------------------------------
+
+    def generate(self, prompts: list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; results in prompt order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{next(self._arrivals)}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    results[out.request_id] = out
+            if not self.has_unfinished() and len(results) < len(ids):
+                raise RuntimeError("engine idle with unfinished requests")
+        return [results[rid] for rid in ids]

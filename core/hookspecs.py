@@ -1,0 +1,39 @@
+"""The plugin API: every hook a heron plugin may implement.
+
+Hooks run once, at start-up, and hand the plugin a ``register`` callback. What a plugin
+registers is then called directly on the hot path; no hook is called per step.
+Implement a hook with ``@heron.core.hookimpl`` in a module listed under the ``heron``
+entry-point group.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("heron")
+hookimpl = pluggy.HookimplMarker("heron")
+
+
+# -- start-up: what the plugin provides -----------------------------------------------------
+
+@hookspec
+def heron_register_families(register):
+    """Register model families this plugin serves.
+
+    Called once when the plugin manager starts. Must be cheap: no model loading, no CUDA.
+
+    :param register: call ``register(FamilySpec(...))`` once per family; a name already
+        registered by another plugin raises `PluginError`.
+    """
+
+
+@hookspec
+def heron_register_kernels(register):
+    """Register CUDA kernel source files this plugin ships, so they are compile-checked.
+
+    Called once by `heron kernels --check` and by the CUDA backend. Must not compile.
+
+    :param register: call ``register(path, kernel_names, defines=None)`` per ``.cu`` file;
+        ``kernel_names`` are its ``extern "C"`` kernels, ``defines`` a dict of ``-D`` values
+        (register the file once per define set it is used with).
+    """

@@ -1,0 +1,45 @@
+"""Finds the family that serves a model path and loads it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from heron.core.config import ModelConfig
+from heron.core.family import LoadedModel
+from heron.core.plugins import PluginManager, load_family
+
+
+def resolve_model_path(model: ModelConfig) -> Path:
+    """The configured path, or the default model (fetched on first use)."""
+    if model.path is not None:
+        path = Path(model.path).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+        return path
+    from heron.core.default_model import ensure_default_model
+    return ensure_default_model()
+
+
+def detect_architecture(path: Path) -> dict[str, str]:
+    """``{"architecture": ...}`` for an HF directory, ``{"gguf_architecture": ...}`` for GGUF."""
+    if path.is_file() and path.suffix == ".gguf":
+        import gguf
+        field = gguf.GGUFReader(path).fields["general.architecture"]
+        return {"gguf_architecture": bytes(field.parts[field.data[0]]).decode()}
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{str(path)!r} is neither a .gguf file nor a directory "
+                                "with config.json")
+    architectures = json.loads(config_file.read_text()).get("architectures") or [None]
+    return {"architecture": architectures[0]}
+
+
+def load_model(model: ModelConfig, plugins: PluginManager, device: torch.device,
+               dtype: torch.dtype) -> LoadedModel:
+    path = resolve_model_path(model)
+    spec = (plugins.family_for(name=model.family) if model.family
+            else plugins.family_for(**detect_architecture(path)))
+    return load_family(spec)(str(path), model, device, dtype)

@@ -1,0 +1,41 @@
+"""What the engine reports back per request, each step and at the end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from heron.core.logprobs import TokenLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    """One sequence of a request. ``text`` / ``token_ids`` are cumulative; ``new_text`` /
+    ``new_token_ids`` are what this step added (for streaming)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    # logprob of each prompt token given the ones before it; None for the first token
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)

@@ -1,0 +1,99 @@
+"""Per-request output bookkeeping: detokenizing, stop checks, logprobs, finish reasons.
+
+Kept beside the `Sequence` (not in it) so the scheduler's record stays small.
+"""
+
+from __future__ import annotations
+
+from heron.core.detokenizer import IncrementalDetokenizer
+from heron.core.logprobs import TokenLogprobs
+from heron.core.outputs import CompletionOutput, RequestOutput
+from heron.core.sampling_params import SamplingParams
+from heron.core.sequence import Sequence
+from heron.core.stop import StopChecker
+
+
+class SeqOutput:
+    """Turns one sequence's new tokens into text deltas and decides when it stops."""
+
+    def __init__(self, seq: Sequence, index: int, tokenizer, eos_token_ids: tuple[int, ...],
+                 max_model_len: int) -> None:
+        params = seq.params
+        self.seq = seq
+        self.eos_token_ids = () if params.ignore_eos else eos_token_ids
+        self.max_model_len = max_model_len
+        self.detok = (IncrementalDetokenizer(tokenizer, seq.prompt_token_ids,
+                                             params.skip_special_tokens)
+                      if tokenizer is not None else None)
+        self.stop = (StopChecker(params.stop, params.include_stop_str_in_output)
+                     if params.stop else None)
+        self.out = CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
+
+    def begin_step(self) -> None:
+        self.out.new_text = ""
+        self.out.new_token_ids = []
+
+    def append(self, token_id: int, logprob: TokenLogprobs | None) -> None:
+        """Record a token the engine appended to the sequence; may finish the output."""
+        seq, params, out = self.seq, self.seq.params, self.out
+        out.token_ids.append(token_id)
+        out.new_token_ids.append(token_id)
+        if logprob is not None and out.logprobs is not None:
+            out.logprobs.append(logprob)
+        if token_id in params.stop_token_ids:
+            return self.finish("stop", token_id)
+        if token_id in self.eos_token_ids:
+            return self.finish("stop", None)
+        delta = self.detok.append([token_id]) if self.detok is not None else ""
+        if self.stop is not None and seq.num_output_tokens > params.min_tokens - 1:
+            delta, matched = self.stop.feed(delta)
+            self._emit(delta)
+            if matched is not None:
+                return self.finish("stop", matched, flush=False)
+        else:
+            self._emit(delta)
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return self.finish("length")
+        if len(seq) >= self.max_model_len:
+            return self.finish("length")
+
+    def _emit(self, text: str) -> None:
+        self.out.text += text
+        self.out.new_text += text
+
+    def finish(self, reason: str, stop_reason: int | str | None = None, *,
+               flush: bool = True, error: str | None = None) -> None:
+        if self.out.finish_reason is not None:
+            return
+        if flush and self.stop is not None:
+            self._emit(self.stop.flush())
+        self.out.finish_reason = reason
+        self.out.stop_reason = stop_reason
+        self.out.error = error
+
+
+class RequestState:
+    """A request's sequences and outputs as the engine tracks them."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 seqs: list[Sequence], outputs: list[SeqOutput]) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.seqs = seqs
+        self.outputs = outputs
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids))
+
+    @property
+    def finished(self) -> bool:
+        return all(o.out.finish_reason is not None for o in self.outputs)
+
+    def snapshot(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt_token_ids,
+                             [o.out for o in self.outputs], self.prompt_logprobs)

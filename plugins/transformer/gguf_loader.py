@@ -1,0 +1,191 @@
+"""Loading a llama.cpp GGUF file as an HF-style config, float32 state dict and tokenizer.
+
+Every tensor is dequantized to float32 with `gguf.quants.dequantize` (whatever quantization
+types the installed `gguf` can dequantize), renamed to its transformers name, and for the
+``llama`` architecture the q/k projection rows are un-permuted: llama.cpp's converter
+interleaves each head's rotary halves (`LlamaModel.permute` in convert_hf_to_gguf.py),
+Qwen2/Qwen3 converters do not. With that, the tensors equal what transformers' own GGUF
+loader produces, value for value.
+
+Contract of `load_gguf(path) -> (hf_config, state_dict, tokenizer)`:
+  - ``hf_config`` reads like a transformers ``config.json`` for LlamaForCausalLM /
+    MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM;
+  - ``state_dict`` maps transformers names to fresh, writable, contiguous float32 CPU
+    tensors in the transformers shapes; ``lm_head.weight`` is absent when the embeddings are
+    tied (``tie_word_embeddings``);
+  - ``tokenizer`` is a `heron.core.tokenizer.Tokenizer`, or None (with a warning) when the
+    file has no tokenizer heron can build;
+  - an unknown architecture, tensor name or quantization type raises ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from heron.core.tokenizer import Tokenizer
+
+__all__ = ["load_gguf", "gguf_config", "dequantize_tensor"]
+
+log = logging.getLogger(__name__)
+
+# general.architecture -> (HF architecture, model_type, q/k stored permuted)
+_ARCHS = {
+    "llama": ("LlamaForCausalLM", "llama", True),
+    "mistral": ("MistralForCausalLM", "mistral", True),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Precomputed rotary frequency factors (Llama 3.1 rope scaling); transformers ignores them too.
+_IGNORED = ("rope_freqs.weight",)
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _uniform(value: Any, key: str) -> Any:
+    """Some files store per-layer lists (e.g. head counts); heron needs one value."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ValueError(f"GGUF {key} varies per layer ({value}); not supported")
+        return value[0]
+    return value
+
+
+def gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """A transformers-style config dict from the file's metadata (see module docstring)."""
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHS)})")
+    hf_arch, model_type, _ = _ARCHS[arch]
+    names = {t.name for t in reader.tensors}
+
+    def key(name: str, default: Any = None) -> Any:
+        return _uniform(_field(reader, f"{arch}.{name}", default), f"{arch}.{name}")
+
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    theta = float(key("rope.freq_base", 10000.0))
+    config: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": key("attention.key_length") or hidden // heads,
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "max_position_embeddings": key("context_length", 2048),
+        "vocab_size": key("vocab_size") or (len(tokens.data) if tokens else int(embd.shape[1])),
+        # llama.cpp writes output.weight only when it differs from the embeddings
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+    }
+    scaling = key("rope.scaling.type")
+    if scaling not in (None, "none"):
+        rope = {"rope_type": scaling, "rope_theta": theta, "factor": float(key("rope.scaling.factor", 1.0))}
+        if (orig := key("rope.scaling.original_context_length")) is not None:
+            rope["original_max_position_embeddings"] = orig
+        if (attn := key("rope.scaling.attn_factor")) is not None:
+            rope["attention_factor"] = float(attn)
+        config["rope_parameters"] = rope
+        config["rope_scaling"] = dict(rope)
+    if arch != "qwen2" and "blk.0.attn_q.bias" in names:
+        config["attention_bias"] = True  # qwen2 always has q/k/v bias; its config has no flag
+    return config
+
+
+def dequantize_tensor(tensor: Any) -> np.ndarray:
+    """A `gguf.ReaderTensor` as a fresh, writable, C-contiguous float32 array in the HF
+    (row-major, reversed GGUF ``shape``) layout."""
+    try:
+        if tensor.tensor_type == gguf.GGMLQuantizationType.F64:  # gguf has no F64 dequantizer
+            w = np.asarray(tensor.data, dtype=np.float32)
+        else:
+            w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise ValueError(f"GGUF tensor {tensor.name!r}: quantization type "
+                         f"{tensor.tensor_type.name} cannot be dequantized by gguf "
+                         f"{getattr(gguf, '__version__', '')}".rstrip()) from None
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    # F32 (and F16 viewed) data comes back as a view of the read-only memmap: copy it.
+    w = np.require(w, np.float32, ["C", "W", "O"])
+    return w.reshape(shape)
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row interleave: (head, 2, dim/2) -> (head, dim/2, 2) order."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(name: str) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _LAYER_RE.fullmatch(name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"GGUF tensor {name!r} is not part of a supported model")
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def _load_tokenizer(reader: gguf.GGUFReader, path: Path) -> Tokenizer | None:
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        log.warning("%s has no tokenizer; requests must send token ids", path.name)
+        return None
+    try:
+        return Tokenizer.from_gguf(reader)
+    except ValueError as exc:
+        log.warning("%s: no tokenizer (%s); requests must send token ids", path.name, exc)
+        return None
+
+
+def load_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer | None]:
+    """Read, dequantize and rename everything in the GGUF file at ``path``."""
+    path = Path(path)
+    reader = gguf.GGUFReader(path)
+    config = gguf_config(reader)
+    permuted = _ARCHS[_field(reader, "general.architecture")][2]
+    n_heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    state_dict: dict[str, torch.Tensor] = {}
+    bar = tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor",
+               disable=not sys.stderr.isatty())
+    for tensor in bar:
+        if tensor.name in _IGNORED:
+            log.warning("%s: ignoring %s (not used by heron)", path.name, tensor.name)
+            continue
+        name = _hf_name(tensor.name)
+        w = dequantize_tensor(tensor)
+        proj = name.split(".")[-2]
+        if permuted and proj in n_heads:
+            w = _unpermute(w, n_heads[proj])
+        state_dict[name] = torch.from_numpy(np.ascontiguousarray(w))
+    return config, state_dict, _load_tokenizer(reader, path)

@@ -1,0 +1,43 @@
+"""Loads a decoder-only model from an HF directory or a GGUF file."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from heron.core.config import ModelConfig
+from heron.core.family import LoadedModel, ModelInfo
+from heron.core.tokenizer import Tokenizer
+from heron.plugins.transformer.config import TransformerConfig
+from heron.plugins.transformer.model import TransformerModel
+from heron.plugins.transformer.runner import TransformerRunner
+from heron.plugins.transformer.weights import load_safetensors
+
+log = logging.getLogger(__name__)
+
+
+def load(path: str, model_config: ModelConfig, device: torch.device,
+         dtype: torch.dtype) -> LoadedModel:
+    source = Path(path)
+    if source.suffix == ".gguf":
+        from heron.plugins.transformer.gguf_loader import load_gguf
+        hf_config, tensors, tokenizer = load_gguf(source)
+    else:
+        hf_config = json.loads((source / "config.json").read_text())
+        tensors = load_safetensors(source, torch.float32)
+        tokenizer = Tokenizer.from_hf_dir(source)
+    cfg = TransformerConfig.from_hf(hf_config)
+    model = TransformerModel(cfg, tensors, device, dtype)
+    del tensors
+    if model.unused_tensors:
+        log.warning("checkpoint tensors not used: %s", model.unused_tensors[:8])
+    eos = tokenizer.eos_token_ids if tokenizer is not None and tokenizer.eos_token_ids else ()
+    info = ModelInfo(
+        name=source.name, vocab_size=cfg.vocab_size,
+        max_context_len=cfg.max_position_embeddings,
+        eos_token_ids=tuple(dict.fromkeys((*eos, *cfg.eos_token_ids))),
+        dtype=dtype, device=device)
+    return LoadedModel(TransformerRunner(model, info), tokenizer)

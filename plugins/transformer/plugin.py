@@ -1,0 +1,15 @@
+"""Registers the decoder-only transformer family (Llama, Mistral, Qwen2, Qwen3, SmolLM2)."""
+
+from heron.core.family import FamilySpec
+from heron.core.hookspecs import hookimpl
+from heron.plugins.transformer.config import ARCHITECTURES
+
+
+@hookimpl
+def heron_register_families(register):
+    register(FamilySpec(
+        name="transformer",
+        loader="heron.plugins.transformer.loader:load",
+        architectures=ARCHITECTURES,
+        gguf_architectures=("llama", "mistral", "qwen2", "qwen3"),
+    ))

@@ -1,0 +1,36 @@
+"""Reads HF safetensors checkpoints (single file or sharded with an index)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / name for name in shards]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {str(model_dir)!r}")
+    return files
+
+
+def load_safetensors(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, cast to ``dtype``, on the CPU."""
+    tensors: dict[str, torch.Tensor] = {}
+    files = safetensors_files(model_dir)
+    with tqdm(total=len(files), desc="loading weights", unit="file",
+              disable=not sys.stderr.isatty()) as bar:
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    tensors[name] = f.get_tensor(name).to(dtype)
+            bar.update()
+    return tensors

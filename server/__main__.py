@@ -1,0 +1,5 @@
+import sys
+
+from heron.server.cli import main
+
+sys.exit(main())

@@ -1,0 +1,103 @@
+"""The ``heron`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from heron.core.config import ConfigError, load_config, parse_override
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="HF model directory or .gguf file "
+                   "(default: [model] path from the config, else SmolLM2-135M-Instruct)")
+    p.add_argument("--config", help="TOML config file")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE", help="override a config key (TOML literal)")
+
+
+def _config(args):
+    overrides = dict(parse_override(item) for item in args.overrides)
+    if getattr(args, "model", None):
+        overrides["model.path"] = args.model
+    return load_config(args.config, overrides)
+
+
+def cmd_generate(args) -> int:
+    from heron.core.engine import Engine
+    from heron.core.sampling_params import SamplingParams
+    engine = Engine(_config(args))
+    prompt = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=args.seed)
+    engine.add_request("cli", prompt, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.outputs[0].new_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_plugins(args) -> int:
+    from heron.core.plugins import PluginManager
+    pm = PluginManager()
+    for info in pm.plugins.values():
+        families = ", ".join(info.families) or "-"
+        print(f"{info.name} {info.version or '?'} ({info.module}) families: {families}")
+    return 0
+
+
+def cmd_kernels(args) -> int:
+    from heron.core.kernels import run_check
+    return run_check(tuple(args.arch))
+
+
+def cmd_fetch_model(args) -> int:
+    from heron.core.default_model import ensure_default_model
+    print(ensure_default_model())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="heron", description="heron LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate text offline for one prompt")
+    _add_config_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("plugins", help="list loaded plugins and what they register")
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("kernels", help="CUDA kernel tools")
+    p.add_argument("--check", action="store_true", required=True,
+                   help="compile every registered kernel without a GPU")
+    p.add_argument("--arch", action="append", default=None, help="e.g. sm_90 (repeatable)")
+    p.set_defaults(func=cmd_kernels)
+
+    p = sub.add_parser("fetch-model", help="fetch the default model into the cache")
+    p.set_defaults(func=cmd_fetch_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "kernels" and args.arch is None:
+        args.arch = ["sm_80", "sm_90"]
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"heron: config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

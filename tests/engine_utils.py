@@ -1,0 +1,36 @@
+"""Helpers for tests that drive a real Engine."""
+
+from __future__ import annotations
+
+import torch
+
+from heron.core.config import load_config
+from heron.core.engine import Engine
+
+
+def make_engine(path, **overrides) -> Engine:
+    settings = {"model.path": str(path), "model.dtype": "float32", "model.device": "cpu"}
+    settings.update(overrides)
+    return Engine(load_config(None, settings))
+
+
+class LogitsRecorder:
+    """Wraps a runner's forward (calling through) and keeps each logits row by
+    ``(request_id, position)`` of the token whose row it is."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.rows: dict[tuple[str, int], torch.Tensor] = {}
+        self._forward = engine.runner.forward
+        engine.runner.forward = self.forward
+
+    def forward(self, batch):
+        logits = self._forward(batch)
+        qsl = batch.attn.query_start_loc.tolist()
+        owner = {}
+        for i, seq in enumerate(batch.seqs):
+            for r in range(qsl[i], qsl[i + 1]):
+                owner[r] = seq.request_id
+        positions = batch.positions.tolist()
+        for j, r in enumerate(batch.logits_indices.tolist()):
+            self.rows[(owner[r], positions[r])] = logits[j].clone()
+        return logits

@@ -1,0 +1,42 @@
+"""Tiny random-weight decoder models built from transformers configs (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+FAMILIES = {
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)),
+    "llama3-rope": lambda: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE)),
+    "llama-tied": lambda: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**{**COMMON, "tie_word_embeddings": True})),
+    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON)),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON)),
+    "qwen3": lambda: transformers.Qwen3ForCausalLM(
+        transformers.Qwen3Config(**COMMON, head_dim=32)),
+}
+
+
+def build_tiny(kind: str, directory: Path, seed: int = 0, std: float = 0.3):
+    """Save a tiny ``kind`` model with weights scaled so logits are O(1–10); return it."""
+    torch.manual_seed(seed)
+    model = FAMILIES[kind]().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, std)
+    model.save_pretrained(directory)
+    return model
