@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 import transformers
 
-COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
               pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
 
@@ -28,6 +28,32 @@ FAMILIES = {
 }
 
 
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention keeps KV blocks in a pool; the scheduler hands them out.",
+    "Caf\u00e9, na\u00efve, \u65e5\u672c\u8a9e and emoji \U0001f680 are bytes too.",
+    "def add(a, b):\n    return a + b\n",
+] * 4
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
+
+def save_tokenizer(directory: Path) -> None:
+    """A byte-level BPE (300 tokens, ids 0-2 special) trained on a few lines, saved the
+    way transformers saves tokenizers, with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                                eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+
+
 def build_tiny(kind: str, directory: Path, seed: int = 0, std: float = 0.3):
     """Save a tiny ``kind`` model with weights scaled so logits are O(1–10); return it."""
     torch.manual_seed(seed)
@@ -39,4 +65,5 @@ def build_tiny(kind: str, directory: Path, seed: int = 0, std: float = 0.3):
             else:
                 p.normal_(0.0, std)
     model.save_pretrained(directory)
+    save_tokenizer(directory)
     return model
