@@ -9,6 +9,7 @@ import torch
 
 from heron.core.config import ModelConfig
 from heron.core.family import LoadedModel
+from heron.core.gguf_header import read_gguf_value
 from heron.core.plugins import PluginManager, load_family
 
 
@@ -26,9 +27,7 @@ def resolve_model_path(model: ModelConfig) -> Path:
 def detect_architecture(path: Path) -> dict[str, str]:
     """``{"architecture": ...}`` for an HF directory, ``{"gguf_architecture": ...}`` for GGUF."""
     if path.is_file() and path.suffix == ".gguf":
-        import gguf
-        field = gguf.GGUFReader(path).fields["general.architecture"]
-        return {"gguf_architecture": bytes(field.parts[field.data[0]]).decode()}
+        return {"gguf_architecture": read_gguf_value(path, "general.architecture")}
     config_file = path / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"{str(path)!r} is neither a .gguf file nor a directory "

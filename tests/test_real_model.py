@@ -1,0 +1,48 @@
+"""The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) in heron vs transformers' GGUF loader."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from heron.core.sampling_params import SamplingParams
+from tests.engine_utils import LogitsRecorder, make_engine
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def engine(default_gguf_path):
+    return make_engine(default_gguf_path, **{"engine.max_num_batched_tokens": 16})
+
+
+@pytest.fixture(scope="module")
+def oracle(default_gguf_path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(
+        default_gguf_path.parent, gguf_file=default_gguf_path.name, dtype=torch.float32).eval()
+
+
+def test_chat_prompt_logits_and_greedy_tokens_match_transformers(engine, oracle):
+    prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(QUESTION))
+    recorder = LogitsRecorder(engine)  # prefill is chunked: 16 tokens per step
+    out = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0,
+                                                   ignore_eos=True, prompt_logprobs=0))[0]
+    mine = torch.stack([recorder.rows[(out.request_id, p)] for p in range(len(prompt))])
+    with torch.no_grad():
+        ref = oracle(torch.tensor([prompt])).logits[0]
+        expected, step = [], oracle(torch.tensor([prompt]), use_cache=True)
+        for _ in range(16):
+            expected.append(int(step.logits[0, -1].argmax()))
+            step = oracle(torch.tensor([[expected[-1]]]), past_key_values=step.past_key_values,
+                          use_cache=True)
+    assert (mine - ref).abs().max().item() <= 1e-4
+    assert out.outputs[0].token_ids == expected
+
+
+def test_answers_paris(engine):
+    prompt = engine.tokenizer.apply_chat_template(QUESTION)
+    out = engine.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0))[0].outputs[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"  # ends on the model's own end-of-turn token
+    assert engine.block_pool.num_used_blocks == 0
