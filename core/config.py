@@ -49,6 +49,7 @@ class EngineConfig(_Section):
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 1024
     chunked_prefill: bool = True
+    cuda_graphs: bool = True
 
     def _checks(self):
         return (

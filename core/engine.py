@@ -56,6 +56,13 @@ class Engine:
         self.scheduler = Scheduler(engine, self.block_pool)
         self.sampler = Sampler(info.eos_token_ids)
         self.batch_builder = BatchBuilder(engine.block_size, self.device)
+        self.graphs = None
+        if (self.device.type == "cuda" and engine.cuda_graphs
+                and self.runner.supports_cuda_graphs):
+            from heron.core.cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self.runner.forward, max_num_seqs=engine.max_num_seqs,
+                                       max_context_len=self.max_model_len,
+                                       block_size=engine.block_size, device=self.device)
         self._requests: dict[str, RequestState] = {}
         self._by_seq: dict[int, RequestState] = {}
         self._seq_ids = itertools.count()
@@ -77,7 +84,7 @@ class Engine:
         for index in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, prompt_ids, params, arrival)
             if params.seed is not None:
-                seq.generator = torch.Generator().manual_seed(params.seed + index)
+                seq.generator = torch.Generator(self.device).manual_seed(params.seed + index)
             seqs.append(seq)
             outputs.append(SeqOutput(seq, index, self.tokenizer, self.runner.info.eos_token_ids,
                                      self.max_model_len))
@@ -156,7 +163,10 @@ class Engine:
             for out in state.outputs:
                 out.begin_step()
         try:
-            logits = self.runner.forward(batch)
+            if self.graphs is not None and self.graphs.can_run(batch):
+                logits = self.graphs.run(batch)
+            else:
+                logits = self.runner.forward(batch)
         except Exception as e:  # a family fault fails only this step's requests
             log.exception("model step failed")
             for state in touched.values():

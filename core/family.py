@@ -58,6 +58,9 @@ class ModelRunner(ABC):
     """
 
     info: ModelInfo
+    #: True when `forward` is graph-safe for decode batches (see `heron.core.cuda_graphs`);
+    #: the engine then replays captured CUDA graphs for decode steps.
+    supports_cuda_graphs: bool = False
 
     @abstractmethod
     def cache_spec(self) -> CacheSpec:

@@ -65,8 +65,19 @@ class SeqOutput:
                flush: bool = True, error: str | None = None) -> None:
         if self.out.finish_reason is not None:
             return
-        if flush and self.stop is not None:
-            self._emit(self.stop.flush())
+        if flush:
+            # text held back for an unfinished character or a possible stop string
+            tail = self.detok.flush() if self.detok is not None else ""
+            if self.stop is not None:
+                text, matched = self.stop.feed(tail)
+                self._emit(text)
+                if matched is None:
+                    self._emit(self.stop.flush())
+                    matched = self.stop.matched
+                if matched is not None:
+                    reason, stop_reason = "stop", matched
+            else:
+                self._emit(tail)
         self.out.finish_reason = reason
         self.out.stop_reason = stop_reason
         self.out.error = error

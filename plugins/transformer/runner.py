@@ -11,6 +11,8 @@ from heron.plugins.transformer.model import TransformerModel
 
 
 class TransformerRunner(ModelRunner):
+    supports_cuda_graphs = True
+
     def __init__(self, model: TransformerModel, info: ModelInfo) -> None:
         self.model = model
         self.info = info
