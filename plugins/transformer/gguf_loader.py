@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from heron.core.tokenizer import Tokenizer
 
-__all__ = ["load_gguf", "gguf_config", "dequantize_tensor"]
+__all__ = ["dequantize_tensor", "gguf_config", "load_gguf"]
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,176 @@
+"""Rendering Hugging Face chat templates (jinja2), the way `transformers` renders them.
+
+Chat templates come from model files, so they are untrusted code: they run in jinja2's
+`ImmutableSandboxedEnvironment`, with the globals and filters transformers provides
+(`raise_exception`, `tojson` that does not HTML-escape, `strftime_now`, `dict`, `namespace`,
+loop controls, and the `{% generation %}` block tag, rendered as its body). With the same
+template, messages and special tokens, `render_chat_template` returns the string
+`transformers`' `apply_chat_template(..., tokenize=False)` returns.
+
+Differences on purpose: message ``content`` given as a list of OpenAI-style parts
+(``[{"type": "text", "text": ...}]``) is joined into one string (parts separated by
+``"\\n"``, as vLLM does for string-format templates), since most templates only handle
+strings; a part of any other type is an error.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+__all__ = ["ChatTemplateError", "normalize_messages", "render_chat_template"]
+
+
+class ChatTemplateError(ValueError):
+    """A chat request that cannot be rendered: no template, a bad message, or the template
+    itself refused it (``raise_exception``). A ValueError, so servers answer 400."""
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` marks assistant text for training masks in
+    transformers; for serving only its body matters, but the tag must still parse."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """`namespace()` that refuses underscore names, as transformers' does (sandbox hygiene)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # jinja's own signature trick
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set {name!r} on a namespace")
+
+
+class _DictFactory:
+    """`dict(...)` for templates, without handing them the `dict` type itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # jinja's own tojson HTML-escapes (<, >, &, '), which would corrupt tool schemas in prompts.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _DictFactory()
+    env.globals["namespace"] = _Namespace
+    try:
+        return env.from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"the model's chat template does not parse: {exc}") from exc
+
+
+def _plain(value: Any) -> Any:
+    """A copy built of plain JSON-like types only, so the sandbox never sees foreign objects."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    # Subclasses (enums, numpy scalars...) carry methods the sandbox does not know: strip them.
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    return f"<{type(value).__name__}>"
+
+
+def _join_text_parts(parts: Sequence[Any], index: int) -> str:
+    texts = []
+    for part in parts:
+        if not isinstance(part, Mapping) or part.get("type", "text") != "text" or "text" not in part:
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            raise ChatTemplateError(f"messages[{index}].content: unsupported content part {kind!r}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Plain-dict copies of ``messages``: keys whose value is None dropped (as transformers
+    does: many templates print a literal "None" otherwise), text-part lists joined."""
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ChatTemplateError(f"messages[{i}] must be an object, got {type(message).__name__}")
+        msg = {k: _plain(v) for k, v in message.items() if v is not None}
+        if isinstance(msg.get("content"), list):
+            msg["content"] = _join_text_parts(msg["content"], i)
+        out.append(msg)
+    return out
+
+
+def render_chat_template(template: str | None, messages: Sequence[Mapping[str, Any]], *,
+                         add_generation_prompt: bool = True,
+                         special_tokens: Mapping[str, str | None] | None = None,
+                         **kwargs: Any) -> str:
+    """Render ``messages`` with ``template``.
+
+    ``special_tokens`` become template variables (``bos_token``, ``eos_token``, ...), as the
+    tokenizer's special-tokens map does in transformers; ``kwargs`` (e.g. ``tools``,
+    ``enable_thinking``) are passed through and override them. Raises `ChatTemplateError`
+    when ``template`` is None or the template raises.
+    """
+    if not template:
+        raise ChatTemplateError(
+            "this model has no chat template; use the completions API or give the model a template")
+    variables = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+    variables.update({k: _plain(v) for k, v in kwargs.items()})
+    variables.setdefault("tools", None)
+    variables.setdefault("documents", None)
+    compiled = _compile(template)
+    try:
+        return compiled.render(messages=normalize_messages(messages),
+                               add_generation_prompt=add_generation_prompt, **variables)
+    except jinja2.exceptions.TemplateError as exc:
+        raise ChatTemplateError(f"chat template error: {exc}") from exc

@@ -1,0 +1,293 @@
+"""The tokenizer: a `tokenizers.Tokenizer` plus the facts about it the engine needs.
+
+Built either from a Hugging Face model directory (``tokenizer.json`` and friends) or from a
+GGUF file's metadata (byte-level BPE vocabularies, see `from_gguf`).
+No `transformers` tokenizer runs on the serving path; transformers is only the oracle in
+tests (and the converter of last resort for a directory without ``tokenizer.json``).
+
+Contract: `encode` adds special tokens (BOS / EOS) exactly when the model says so
+(``add_bos_token`` / the ``tokenizer.json`` post-processor); `decode` is the inverse up to
+skipped special tokens; `eos_token_ids` lists every id that ends a generation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, processors
+
+from heron.core.chat_template import render_chat_template
+
+__all__ = ["Tokenizer"]
+
+log = logging.getLogger(__name__)
+
+_NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` with its special tokens and chat template.
+
+    ``special_tokens`` maps the named special tokens (``bos_token``, ``eos_token``,
+    ``unk_token``, ``pad_token``) to their text; they are also the chat template's variables.
+    ``eos_token_ids`` must include the ``eos_token``'s id when there is one (it is added).
+    """
+
+    def __init__(self, backend: tokenizers.Tokenizer, *, special_tokens: Mapping[str, str | None],
+                 eos_token_ids: Iterable[int] = (), chat_template: str | None = None,
+                 add_bos_token: bool = False) -> None:
+        self.backend = backend
+        self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
+        self.chat_template = chat_template
+        self.add_bos_token = add_bos_token
+        self.bos_token_id = self._id_of(self.special_tokens.get("bos_token"))
+        self.eos_token_id = self._id_of(self.special_tokens.get("eos_token"))
+        ids = ([self.eos_token_id] if self.eos_token_id is not None else []) + list(eos_token_ids)
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))  # dedupe, keep order
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    # -- encoding and decoding -------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens`` the model's BOS/EOS rule applies."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``. Bytes of an incomplete UTF-8 character decode to U+FFFD."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str | None]:
+        return [self.backend.id_to_token(i) for i in ids]
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (the ids `decode` understands)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """Sorted ids of every special added token (what ``skip_special_tokens`` drops)."""
+        return sorted(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+
+    # -- chat ------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            add_generation_prompt: bool = True, tokenize: bool = False,
+                            **kwargs: Any) -> str | list[int]:
+        """Render ``messages`` with the model's chat template (`ChatTemplateError` if none).
+
+        With ``tokenize`` the prompt is encoded without adding special tokens, as
+        transformers does: the template writes any BOS itself.
+        """
+        text = render_chat_template(self.chat_template, messages,
+                                    add_generation_prompt=add_generation_prompt,
+                                    special_tokens=self.special_tokens, **kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    # -- constructors ----------------------------------------------------------------------
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer | None:
+        """The tokenizer of a Hugging Face model directory, or None if it has none."""
+        path = Path(path)
+        config = _read_json(path / "tokenizer_config.json") or {}
+        if (path / "tokenizer.json").is_file():
+            backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        elif config or any((path / n).is_file() for n in ("tokenizer.model", "vocab.json")):
+            backend = _convert_with_transformers(path)
+        else:
+            return None
+        special = {name: _token_text(config.get(name)) for name in _NAMED_SPECIAL}
+        _ensure_added_tokens(backend, config, special)
+        if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
+            # transformers' rule: explicit flags (or no post-processor) rebuild the template.
+            _set_bos_eos_processor(backend, special, bool(config.get("add_bos_token")),
+                                   bool(config.get("add_eos_token")))
+        generation = _read_json(path / "generation_config.json") or {}
+        eos = generation.get("eos_token_id")
+        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        bos_id = backend.token_to_id(special["bos_token"]) if special["bos_token"] else None
+        adds_bos = bos_id is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos_id]
+        return cls(backend, special_tokens=special, eos_token_ids=eos_ids,
+                   chat_template=_hf_chat_template(path, config), add_bos_token=adds_bos)
+
+    @classmethod
+    def from_gguf(cls, reader: Any) -> Tokenizer:
+        """The tokenizer a GGUF file's metadata describes (``reader``: a `gguf.GGUFReader`).
+
+        Only byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``: GPT-2, Llama 3,
+        Qwen, SmolLM...) are supported; others raise ValueError. Control tokens (type 3)
+        become special tokens, user-defined ones (type 4) plain added tokens.
+        """
+        def field(key: str, default: Any = None) -> Any:
+            f = reader.fields.get(key)
+            return default if f is None else f.contents()
+
+        kind = field("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"GGUF tokenizer.ggml.model {kind!r} is not supported "
+                             "(only byte-level BPE, 'gpt2')")
+        tokens = field("tokenizer.ggml.tokens")
+        types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
+        backend = _gguf_bpe(tokens, types, field("tokenizer.ggml.merges") or [],
+                            field("tokenizer.ggml.pre", "default"))
+        ids = {name: field(f"tokenizer.ggml.{key}_token_id") for name, key in
+               (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding"))}
+        special = {name: tokens[i] if i is not None and i < len(tokens) else None for name, i in ids.items()}
+        add_bos = bool(field("tokenizer.ggml.add_bos_token", False))
+        _set_bos_eos_processor(backend, special, add_bos, bool(field("tokenizer.ggml.add_eos_token", False)))
+        # End-of-turn / end-of-message tokens (Llama 3: <|eot_id|>, <|eom_id|>) also end generation.
+        eos_ids = [i for i in (field("tokenizer.ggml.eot_token_id"), field("tokenizer.ggml.eom_token_id"))
+                   if i is not None]
+        return cls(backend, special_tokens=special, eos_token_ids=eos_ids,
+                   chat_template=field("tokenizer.chat_template"),
+                   add_bos_token=add_bos and special["bos_token"] is not None)
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte (as `bytes_to_unicode` in GPT-2's encoder)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+# llama.cpp's pre-tokenizer names -> the split regex its merges were learned with.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx", "pixtral"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+    **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), _GPT4O_SPLIT),
+}
+# GPT-2's own regex, with each digit split off first (StarCoder-style vocabularies).
+_DIGIT_SPLIT_PRES = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone")
+_GPT2_PRES = ("gpt-2", "gpt2", "default", "olmo", "mpt", "jais", "phi-2", "stablelm2", "granite")
+
+
+def _gguf_pre_tokenizer(pre: str) -> tuple[Any, bool]:
+    """(pre-tokenizer, ignore_merges) for llama.cpp's ``tokenizer.ggml.pre`` name."""
+    pt = tokenizers.pre_tokenizers
+    if pre in _SPLITS:
+        split = pt.Split(tokenizers.Regex(_SPLITS[pre]), behavior="isolated")
+        # llama.cpp looks whole pre-tokens up in the vocabulary first for Llama 3 (ignore_merges).
+        byte_level = pt.ByteLevel(add_prefix_space=False, use_regex=False)
+        return pt.Sequence([split, byte_level]), _SPLITS[pre] is _LLAMA3_SPLIT
+    if pre in _DIGIT_SPLIT_PRES:
+        return pt.Sequence([pt.Digits(individual_digits=True), pt.ByteLevel(add_prefix_space=False)]), False
+    if pre not in _GPT2_PRES:
+        log.warning("GGUF pre-tokenizer %r is not known; splitting text like GPT-2 does, "
+                    "which may tokenize some text differently from llama.cpp", pre)
+    return pt.ByteLevel(add_prefix_space=False), False
+
+
+def _gguf_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str) -> tokenizers.Tokenizer:
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+    vocab: dict[str, int] = {}
+    for i, (tok, kind) in enumerate(zip(tokens, types, strict=True)):
+        # Ordinary tokens must be spelled in the byte alphabet; a few files store raw text.
+        # Control / user-defined tokens keep their text: they are matched as added tokens.
+        if kind not in (3, 4) and not set(tok) <= spelled:
+            tok = "".join(alphabet[b] for b in tok.encode("utf-8"))
+        vocab.setdefault(tok, i)
+    pre_tokenizer, ignore_merges = _gguf_pre_tokenizer(pre)
+    model = tokenizers.models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges],
+                                  ignore_merges=ignore_merges)
+    backend = tokenizers.Tokenizer(model)
+    backend.pre_tokenizer = pre_tokenizer
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    control = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=True) if k == 3]
+    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types, strict=True) if k == 4]
+    backend.add_special_tokens(control)
+    backend.add_tokens(user)
+    return backend
+
+
+def _read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ensure_added_tokens(backend: tokenizers.Tokenizer, config: dict,
+                         special: Mapping[str, str | None]) -> None:
+    """Add the config's added/special tokens the backend lacks (usually none: tokenizer.json
+    lists them), so they are matched whole and skipped on decode like transformers does."""
+    present = {t.content for t in backend.get_added_tokens_decoder().values()}
+    missing: list[AddedToken] = []
+    for spec in (config.get("added_tokens_decoder") or {}).values():
+        if spec.get("content") not in present:
+            missing.append(AddedToken(spec["content"], single_word=spec.get("single_word", False),
+                                      lstrip=spec.get("lstrip", False), rstrip=spec.get("rstrip", False),
+                                      normalized=spec.get("normalized", False),
+                                      special=spec.get("special", False)))
+    extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    names = list(special.values()) + [_token_text(t) for t in (extra if isinstance(extra, list) else extra.values())]
+    for text in names:
+        if text and text not in present and all(t.content != text for t in missing):
+            missing.append(AddedToken(text, special=True, normalized=False))
+    if missing:
+        backend.add_tokens(missing)
+
+
+def _set_bos_eos_processor(backend: tokenizers.Tokenizer, special: Mapping[str, str | None],
+                           add_bos: bool, add_eos: bool) -> None:
+    bos, eos = special.get("bos_token"), special.get("eos_token")
+    add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
+    single = " ".join(([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else []))
+    pair = single + " " + " ".join(([f"{bos}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos}:1"] if add_eos else []))
+    tokens = [(t, backend.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
+    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=tokens)
+
+
+def _hf_chat_template(path: Path, config: dict) -> str | None:
+    """transformers 5 writes ``chat_template.jinja``; older dirs keep it in the config (a
+    string, or a list of named templates of which "default" is the one) or a .json file."""
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if template is None:
+        template = (_read_json(path / "chat_template.json") or {}).get("chat_template")
+    if isinstance(template, list):
+        named = {t["name"]: t["template"] for t in template}
+        template = named.get("default")
+    return template
+
+
+def _convert_with_transformers(path: Path) -> tokenizers.Tokenizer:
+    """A dir without tokenizer.json (sentencepiece / vocab.json only): let transformers
+    convert it once, locally, into a `tokenizers` backend."""
+    from transformers import AutoTokenizer  # heavy, and rarely needed
+
+    hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if not hasattr(hf, "backend_tokenizer"):
+        raise ValueError(f"{path}: tokenizer cannot be converted to a `tokenizers` backend")
+    return hf.backend_tokenizer

@@ -1,0 +1,205 @@
+"""Tokenizer and chat-template tests against transformers as the oracle.
+
+The GGUF half builds heron's tokenizer from the real default model's metadata and compares it
+with transformers' own GGUF tokenizer; the HF-dir half trains a tiny byte-level BPE in the
+test, saves it with transformers and reads it back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import gguf
+import pytest
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from heron.core.chat_template import ChatTemplateError, render_chat_template
+from heron.core.tokenizer import Tokenizer
+
+TEXTS = [
+    "Hello, world!",
+    "",
+    "1234567890 and 3.14159, 2024-11-29, x=42",
+    "héllo wörld, ça va? naïve café",
+    "中文分词测试，日本語のテキスト，한국어",
+    "emoji 😀👍🏽🇫🇷 family 👨‍👩‍👧 end",
+    "   leading spaces, trailing   ",
+    "tabs\tand\nnewlines\n\n\n  indented\r\nwindows",
+    "def f(x):\n    return {'a': [1, 2, 3]}  # comment\n",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|>text<|im_end|><|im_start|>",
+    "I'm sure they'll've done it; don't WORRY's",
+    "Ġ is a byte-level marker; so is Ċ",
+]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."},
+     {"role": "user", "content": "Hi!"},
+     {"role": "assistant", "content": "Hello."},
+     {"role": "user", "content": "Tell me a joke about 42 😀"}],
+    [{"role": "system", "content": "Only system."}],
+]
+
+
+# -- GGUF tokenizer vs transformers' GGUF tokenizer --------------------------------------------
+@pytest.fixture(scope="module")
+def gguf_pair(default_gguf_path):
+    from transformers import AutoTokenizer
+
+    ours = Tokenizer.from_gguf(gguf.GGUFReader(default_gguf_path))
+    theirs = AutoTokenizer.from_pretrained(default_gguf_path.parent, gguf_file=default_gguf_path.name)
+    return ours, theirs
+
+
+def test_gguf_facts(gguf_pair):
+    ours, theirs = gguf_pair
+    assert ours.vocab_size == len(theirs) == 49152
+    assert (ours.bos_token_id, ours.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id) == (1, 2)
+    assert ours.eos_token_ids == (2,)
+    assert ours.add_bos_token is False
+    assert ours.convert_ids_to_tokens([1, 2]) == ["<|im_start|>", "<|im_end|>"]
+    assert ours.id_to_token(0) == "<|endoftext|>"
+    assert set(theirs.all_special_ids) <= set(ours.all_special_ids)
+    assert ours.chat_template and "<|im_start|>" in ours.chat_template
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_gguf_encode_decode_match_transformers(gguf_pair, text):
+    ours, theirs = gguf_pair
+    ids = ours.encode(text)
+    assert ids == theirs.encode(text, add_special_tokens=True)
+    assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
+    assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids, skip_special_tokens=False) == text
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+
+
+def test_gguf_digits_are_split_individually(gguf_pair):
+    ours, _ = gguf_pair
+    tokens = ours.convert_ids_to_tokens(ours.encode("year 2024"))
+    assert tokens[-4:] == ["2", "0", "2", "4"]
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+def test_gguf_chat_template_matches_transformers(gguf_pair, messages):
+    ours, theirs = gguf_pair
+    for add in (True, False):
+        expected = theirs.apply_chat_template(messages, add_generation_prompt=add, tokenize=False)
+        assert ours.apply_chat_template(messages, add_generation_prompt=add) == expected
+        assert ours.apply_chat_template(messages, add_generation_prompt=add, tokenize=True) == \
+            theirs.encode(expected, add_special_tokens=False)
+
+
+def test_content_parts_are_joined(gguf_pair):
+    ours, _ = gguf_pair
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert ours.apply_chat_template(parts) == ours.apply_chat_template([{"role": "user", "content": "a\nb"}])
+    with pytest.raises(ChatTemplateError, match="image_url"):
+        ours.apply_chat_template([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+
+
+# -- chat template rendering details -------------------------------------------------------------
+def test_no_template_is_a_clear_value_error():
+    with pytest.raises(ValueError, match="no chat template"):
+        render_chat_template(None, [{"role": "user", "content": "hi"}])
+
+
+def test_template_features():
+    template = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}"
+        "{{ raise_exception('no tools here') }}{% endif %}"
+        "{% generation %}{{ m['content'] | tojson }}{% endgeneration %}\n"
+        "{% endfor %}{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+        "{% if loop.index > 1 %}{% break %}{% endif %}{% endfor %}{{ ns.n }}"
+        "{{ strftime_now('%Y')|length }}{{ dict(a=1)['a'] }}{% if add_generation_prompt %}>{% endif %}"
+    )
+    messages = [{"role": "user", "content": "<b>&'é"}, {"role": "user", "content": "x", "name": None}]
+    out = render_chat_template(template, messages, special_tokens={"bos_token": "<s>"})
+    # tojson neither HTML-escapes nor ASCII-escapes; loop controls and namespaces work
+    assert out == '<s>"<b>&\'é""x"241>'
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    expected, _ = render_jinja_template([messages], chat_template=template, add_generation_prompt=True,
+                                        bos_token="<s>")
+    assert out == expected[0]
+    with pytest.raises(ChatTemplateError, match="no tools here"):
+        render_chat_template(template, [{"role": "tool", "content": "x"}])
+    with pytest.raises(ChatTemplateError, match="does not parse"):
+        render_chat_template("{% if %}", messages)
+
+
+def test_template_is_sandboxed():
+    with pytest.raises(ChatTemplateError):
+        render_chat_template("{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}",
+                             [{"role": "user", "content": "x"}])
+
+
+# -- HF directory tokenizer vs transformers -----------------------------------------------------
+TINY_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tiny_backend() -> RawTokenizer:
+    tok = RawTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    lines = ["hello world, the quick brown fox jumps over the lazy dog", "héllo 中文 😀 naïve café",
+             "def f(x):\n    return x + 1", "What is the capital of France? Paris."]
+    tok.train_from_iterator(lines * 20, trainer)
+    return tok
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["no-bos", "add-bos"])
+def hf_pair(request, tmp_path_factory):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tok")
+    hf = PreTrainedTokenizerFast(tokenizer_object=_tiny_backend(), bos_token="<s>", eos_token="</s>",
+                                 add_bos_token=request.param, chat_template=TINY_TEMPLATE)
+    hf.save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
+    return Tokenizer.from_hf_dir(path), AutoTokenizer.from_pretrained(path), request.param
+
+
+def test_hf_dir_matches_transformers(hf_pair):
+    ours, theirs, add_bos = hf_pair
+    assert ours.add_bos_token is add_bos
+    assert (ours.bos_token_id, ours.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id) == (0, 1)
+    assert ours.eos_token_ids == (1, 3)  # tokenizer EOS first, then generation_config's extras
+    assert ours.vocab_size == len(theirs)
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text)
+        assert (ids[:1] == [0]) is add_bos
+        assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids, skip_special_tokens=False)
+    for messages in CONVERSATIONS:
+        assert ours.apply_chat_template(messages) == \
+            theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def test_hf_dir_template_in_config_and_missing_dir(tmp_path):
+    assert Tokenizer.from_hf_dir(tmp_path) is None
+    _tiny_backend().save(str(tmp_path / "tokenizer.json"))
+    config = {"bos_token": {"content": "<s>", "__type": "AddedToken"}, "eos_token": "</s>",
+              "chat_template": [{"name": "default", "template": "D"}, {"name": "tool_use", "template": "T"}]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    assert tok.chat_template == "D"
+    assert tok.bos_token_id == 0 and tok.eos_token_ids == (1,)
+    assert tok.encode("hello") == tok.encode("hello", add_special_tokens=False)  # no post-processor, no flags
+
+
+def test_unknown_gguf_pre_tokenizer_warns(caplog):
+    from heron.core.tokenizer import _gguf_pre_tokenizer
+
+    with caplog.at_level(logging.WARNING):
+        _gguf_pre_tokenizer("some-future-model")
+    assert "some-future-model" in caplog.text
