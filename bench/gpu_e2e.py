@@ -1,0 +1,226 @@
+"""End-to-end GPU benchmark: a random Llama-3-8B-shaped model, heron vs transformers (sdpa).
+
+Decode tokens/s at several batch sizes with 1k-token contexts, prefill tokens/s on a 4k
+prompt, and the HBM roofline of decode (weight + KV bytes per step / copy bandwidth).
+Runs on CPU too with ``--shape tiny`` (a smoke test of the code paths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.random_model import LLAMA3_8B, RandomLlamaPlugin, write_config
+
+TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "max_position_embeddings": 8192}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device, nbytes=4 << 30) -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    if device.type != "cuda":
+        return float("nan")
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del a, b
+    return 2 * nbytes / sorted(times)[len(times) // 2]
+
+
+def heron_engine(model_dir: Path, device, dtype, max_seqs, kv_gb, cuda_graphs=True):
+    from heron.core.config import load_config
+    from heron.core.engine import Engine
+    from heron.core.plugins import PluginManager
+
+    plugins = PluginManager(load_entry_points=False)
+    plugins.register(RandomLlamaPlugin(), name="random-llama")
+    cfg = load_config(None, {
+        "model.path": str(model_dir), "model.family": "random-llama",
+        "model.dtype": {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype],
+        "model.device": device.type, "engine.max_num_seqs": max_seqs,
+        "engine.max_num_batched_tokens": 8192, "engine.kv_cache_memory_gb": kv_gb,
+        "engine.cuda_graphs": cuda_graphs})
+    return Engine(cfg, plugins)
+
+
+def heron_decode(engine, batch: int, context: int, steps: int, vocab: int) -> dict:
+    from heron.core.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"d{batch}-{i}", torch.randint(0, vocab, (context,), generator=g).tolist(),
+                           params)
+    produced = {}
+    while len(produced) < batch or min(produced.values()) < 1:  # prefill everything first
+        for out in engine.step():
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+    sync(engine.device)
+    start, tokens = time.perf_counter(), 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += len(out.outputs[0].new_token_ids)
+    sync(engine.device)
+    elapsed = time.perf_counter() - start
+    return {"batch": batch, "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+
+
+def heron_prefill(engine, prompt_len: int, vocab: int, repeats: int = 3) -> dict:
+    from heron.core.sampling_params import SamplingParams
+
+    best = float("inf")
+    for r in range(repeats + 1):
+        ids = torch.randint(0, vocab, (prompt_len,)).tolist()
+        sync(engine.device)
+        start = time.perf_counter()
+        engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        sync(engine.device)
+        if r:  # the first run warms up
+            best = min(best, time.perf_counter() - start)
+    return {"prompt_tokens": prompt_len, "seconds": best, "tokens_per_s": prompt_len / best}
+
+
+def hf_model(config: dict, device, dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"})
+    cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    return model
+
+
+@torch.inference_mode()
+def hf_decode(model, batch, context, steps, vocab, device) -> dict:
+    ids = torch.randint(0, vocab, (batch, context), device=device)
+    out = model(ids, use_cache=True, logits_to_keep=1)
+    cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        out = model(token, past_key_values=cache, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    sync(device)
+    elapsed = time.perf_counter() - start
+    return {"batch": batch, "tokens": batch * steps, "seconds": elapsed,
+            "tokens_per_s": batch * steps / elapsed}
+
+
+@torch.inference_mode()
+def hf_prefill(model, prompt_len, vocab, device, repeats=3) -> dict:
+    best = float("inf")
+    for r in range(repeats + 1):
+        ids = torch.randint(0, vocab, (1, prompt_len), device=device)
+        sync(device)
+        start = time.perf_counter()
+        model(ids, use_cache=True, logits_to_keep=1)
+        sync(device)
+        if r:
+            best = min(best, time.perf_counter() - start)
+    return {"prompt_tokens": prompt_len, "seconds": best, "tokens_per_s": prompt_len / best}
+
+
+def roofline(config: dict, batch: int, context: int, bandwidth: float, dtype) -> float:
+    """Decode tokens/s if every step only streamed the weights and the KV once."""
+    h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    d, q, kv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    size = torch.empty((), dtype=dtype).element_size()
+    params = layers * (h * (q + 2 * kv) * d + q * d * h + 3 * h * i) + config["vocab_size"] * h
+    kv_bytes = batch * context * layers * 2 * kv * d * size
+    return batch / ((params * size + kv_bytes) / bandwidth)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=["llama3-8b", "tiny"], default="llama3-8b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--prefill", type=int, default=4096)
+    parser.add_argument("--kv-gb", type=float, default=40.0)
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = LLAMA3_8B if args.shape == "llama3-8b" else TINY
+    batches = [int(b) for b in args.batches.split(",")]
+    bandwidth = copy_bandwidth(device)
+    results = {"shape": args.shape, "device": str(device), "dtype": str(dtype),
+               "context": args.context, "steps": args.steps, "copy_bandwidth_Bps": bandwidth,
+               "heron": {"decode": [], "prefill": None}, "transformers": {"decode": [], "prefill": None}}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_config(Path(tmp) / "model", config)
+        engine = heron_engine(model_dir, device, dtype, max(batches), args.kv_gb)
+        for b in batches:
+            r = heron_decode(engine, b, args.context, args.steps, config["vocab_size"])
+            r["roofline_tokens_per_s"] = roofline(config, b, args.context + args.steps // 2,
+                                                  bandwidth, dtype)
+            results["heron"]["decode"].append(r)
+            print("heron decode", r, flush=True)
+        results["heron"]["prefill"] = heron_prefill(engine, args.prefill, config["vocab_size"])
+        print("heron prefill", results["heron"]["prefill"], flush=True)
+        assert engine.block_pool.num_used_blocks == 0
+        del engine
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if not args.skip_transformers:
+        model = hf_model(config, device, dtype)
+        for b in batches:
+            r = hf_decode(model, b, args.context, args.steps, config["vocab_size"], device)
+            results["transformers"]["decode"].append(r)
+            print("transformers decode", r, flush=True)
+        results["transformers"]["prefill"] = hf_prefill(model, args.prefill, config["vocab_size"],
+                                                        device)
+        print("transformers prefill", results["transformers"]["prefill"], flush=True)
+    table = format_table(results)
+    print(table)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_e2e.json").write_text(json.dumps(results, indent=2))
+        (args.out / "gpu_e2e.md").write_text(table + "\n")
+
+
+def format_table(results: dict) -> str:
+    rows = ["| measure | heron | transformers | heron/transformers | heron/roofline |",
+            "|---|---|---|---|---|"]
+    hf = {r["batch"]: r for r in results["transformers"]["decode"]}
+    for r in results["heron"]["decode"]:
+        t = hf.get(r["batch"])
+        rows.append(f"| decode tok/s, batch {r['batch']} | {r['tokens_per_s']:.0f} | "
+                    f"{t['tokens_per_s']:.0f} | {r['tokens_per_s'] / t['tokens_per_s']:.2f} | "
+                    if t else f"| decode tok/s, batch {r['batch']} | {r['tokens_per_s']:.0f} | - | - | ")
+        rows[-1] += f"{r['tokens_per_s'] / r['roofline_tokens_per_s']:.2f} |"
+    hp, tp = results["heron"]["prefill"], results["transformers"]["prefill"]
+    if hp:
+        rows.append(f"| prefill tok/s, {hp['prompt_tokens']} tokens | {hp['tokens_per_s']:.0f} | "
+                    + (f"{tp['tokens_per_s']:.0f} | {hp['tokens_per_s'] / tp['tokens_per_s']:.2f} | - |"
+                       if tp else "- | - | - |"))
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Configuration files: defaults agree with the Structs; bad input names file and key."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from heron.core.config import Config, ConfigError, load_config
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def documented_keys(path: Path) -> dict[str, set[str]]:
+    """Keys set or shown commented-out (``# key = value``) in each section of a TOML file."""
+    sections: dict[str, set[str]] = {}
+    current: set[str] = set()
+    for line in path.read_text().splitlines():
+        if section := re.fullmatch(r"\[(\w+)\]", line.strip()):
+            current = sections.setdefault(section[1], set())
+        elif key := re.match(r"#? ?(\w+) = ", line):
+            current.add(key[1])
+    return sections
+
+
+def test_default_toml_documents_every_key_with_its_default():
+    default = Config()
+    documented = documented_keys(CONF / "default.toml")
+    struct_sections = {f: getattr(default, f) for f in Config.__struct_fields__}
+    assert set(documented) == set(struct_sections)
+    for name, section in struct_sections.items():
+        assert documented[name] == set(type(section).__struct_fields__), name
+    # the values that are set are the Structs' defaults
+    assert load_config(CONF / "default.toml") == default
+
+
+def test_test_toml_loads():
+    cfg = load_config(CONF / "test.toml")
+    assert cfg.engine.block_size == 8 and cfg.model.device == "cpu"
+
+
+@pytest.mark.parametrize("text, key, reason", [
+    ("[engine]\nmax_bach = 3\n", "max_bach", "unknown field"),
+    ("[engine]\nblock_size = \"big\"\n", "block_size", "Expected `int`"),
+    ("[engine]\nblock_size = 0\n", "block_size", "must be in 1..1024"),
+    ("[model]\ndtype = \"int4\"\n", "dtype", "Invalid enum value"),
+    ("[nope]\nx = 1\n", "nope", "unknown field"),
+])
+def test_rejections_name_file_and_key(tmp_path, text, key, reason):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(path) in str(e.value) and key in str(e.value) and reason in str(e.value)
+
+
+def test_overrides_are_toml_literals_or_bare_strings():
+    cfg = load_config(None, ["engine.num_kv_blocks=64", "model.path=/tmp/m", "model.dtype=\"float16\""])
+    assert cfg.engine.num_kv_blocks == 64 and cfg.model.path == "/tmp/m"
+    assert cfg.model.dtype == "float16"
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(None, ["engine.block_size"])
