@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from heron.core.sequence import Sequence
+if TYPE_CHECKING:  # annotations only: keeps the ops importable without the engine's deps
+    from heron.core.sequence import Sequence
 
 
 @dataclass
@@ -50,7 +52,7 @@ class Batch:
     that order.
     """
 
-    seqs: list[Sequence]
+    seqs: list["Sequence"]
     input_ids: torch.Tensor         # [T] int64
     positions: torch.Tensor         # [T] int64
     attn: AttentionMetadata

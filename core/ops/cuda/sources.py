@@ -1,0 +1,33 @@
+"""Core's kernel sources, registered with the loader for compile checks.
+
+Each file is checked in a few representative variants (dtype, head dim, GQA group, KV
+block size); at run time the ops request whichever variant a model needs.
+"""
+
+from __future__ import annotations
+
+from heron.core.kernels import register_kernel_file
+from heron.core.ops.cuda.launch import KERNEL_DIR
+
+ALL_DTYPES = [{"HERON_DTYPE": code} for code in (0, 1, 2)]
+
+# (dtype, head_dim, group, block_size): Llama-3 bf16, a small fp16 MHA model, fp32 with
+# GQA 8, a 256-dim head, and odd sizes (head 96, group 7 as in Qwen2.5-7B).
+_ATTENTION_SHAPES = ((2, 128, 4, 16), (1, 64, 1, 32), (0, 128, 8, 16), (2, 256, 2, 16),
+                     (1, 96, 7, 16))
+
+
+def _attention(**extra) -> list[dict]:
+    return [{"HERON_DTYPE": dt, "HEAD_DIM": d, "GROUP_SIZE": g, "BLOCK_SIZE": bs, **extra}
+            for dt, d, g, bs in _ATTENTION_SHAPES]
+
+
+register_kernel_file(KERNEL_DIR / "norm.cu", ["rms_norm_kernel"], ALL_DTYPES)
+register_kernel_file(KERNEL_DIR / "activation.cu", ["silu_and_mul_kernel"], ALL_DTYPES)
+register_kernel_file(KERNEL_DIR / "rotary.cu", ["rotary_kernel"], ALL_DTYPES)
+register_kernel_file(KERNEL_DIR / "cache.cu", ["write_kv_kernel"], ALL_DTYPES)
+register_kernel_file(KERNEL_DIR / "attention_decode.cu",
+                     ["paged_decode_kernel", "paged_decode_reduce_kernel"],
+                     _attention(PARTITION_MAX=512) + _attention(PARTITION_MAX=64)[:1])
+register_kernel_file(KERNEL_DIR / "attention_prefill.cu", ["paged_prefill_kernel"],
+                     _attention(BLOCK_M=64, BLOCK_N=64) + _attention(BLOCK_M=32, BLOCK_N=32)[:1])
