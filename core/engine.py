@@ -65,6 +65,7 @@ class Engine:
                                        block_size=engine.block_size, device=self.device)
         self._requests: dict[str, RequestState] = {}
         self._by_seq: dict[int, RequestState] = {}
+        self._outputs: dict[int, SeqOutput] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
 
@@ -90,8 +91,9 @@ class Engine:
                                      self.max_model_len))
         state = RequestState(request_id, prompt_ids, params, seqs, outputs)
         self._requests[request_id] = state
-        for seq in seqs:
+        for seq, out in zip(seqs, outputs):
             self._by_seq[seq.seq_id] = state
+            self._outputs[seq.seq_id] = out
             self.scheduler.add(seq)
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
@@ -154,11 +156,14 @@ class Engine:
         for item in sched.scheduled:
             if item.seq.family_state is None and item.seq.num_computed_tokens == 0:
                 item.seq.family_state = self.runner.alloc_sequence(item.seq)
-        pl_seqs = {item.seq.seq_id for item in sched.scheduled
-                   if self._by_seq[item.seq.seq_id].needs_prompt_logprobs}
+        touched: dict[str, RequestState] = {}
+        pl_seqs: set[int] = set()
+        for item in sched.scheduled:
+            state = self._by_seq[item.seq.seq_id]
+            touched[state.request_id] = state
+            if state.needs_prompt_logprobs:
+                pl_seqs.add(item.seq.seq_id)
         batch = self.batch_builder.build(sched.scheduled, pl_seqs)
-        touched = {self._by_seq[item.seq.seq_id].request_id: self._by_seq[item.seq.seq_id]
-                   for item in sched.scheduled}
         for state in touched.values():
             for out in state.outputs:
                 out.begin_step()
@@ -202,7 +207,7 @@ class Engine:
         result = self.sampler.sample(logits[sample_rows], sample_seqs)
         failed = set(result.failed_rows)
         for i, seq in enumerate(sample_seqs):
-            out = self._by_seq[seq.seq_id].outputs[self._output_index(seq)]
+            out = self._outputs[seq.seq_id]
             if i in failed:
                 out.finish("error", error="the model produced non-finite logits")
             else:
@@ -211,9 +216,6 @@ class Engine:
                 out.append(token, result.logprobs[i] if result.logprobs else None)
             if out.out.finish_reason is not None:
                 self._finish_seq(seq)
-
-    def _output_index(self, seq: Sequence) -> int:
-        return self._by_seq[seq.seq_id].seqs.index(seq)
 
     def _add_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, start: int) -> None:
         state = self._by_seq[seq.seq_id]
@@ -234,6 +236,7 @@ class Engine:
         for seq in state.seqs:
             self._finish_seq(seq)
             self._by_seq.pop(seq.seq_id, None)
+            self._outputs.pop(seq.seq_id, None)
         self._requests.pop(state.request_id, None)
 
     def _free_family_state(self, seq: Sequence) -> None:

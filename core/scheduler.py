@@ -59,14 +59,15 @@ class Scheduler:
         self.block_pool.free(seq.block_table)
         seq.block_table = []
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.running.remove(seq)
+    def _preempt_last(self, out: SchedulerOutput) -> Sequence:
+        seq = self.running.pop()
         self._release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         self.num_preemptions += 1
+        return seq
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -74,18 +75,16 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if num_tokens == 0:
                 continue
             needed = self._blocks_needed(seq, num_tokens)
             while not self.block_pool.can_allocate(needed):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is seq:
+                if self._preempt_last(out) is seq:
                     break
-            if seq not in self.running:
+            if seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.block_table += self.block_pool.allocate(needed)
             out.scheduled.append(ScheduledSeq(seq, num_tokens))
@@ -112,9 +111,9 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks. Idempotent."""
-        if seq in self.running:
+        if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
+        elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         else:
             return

@@ -16,15 +16,14 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                "original_max_position_embeddings": 64}
 
 FAMILIES = {
-    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)),
-    "llama3-rope": lambda: transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE)),
-    "llama-tied": lambda: transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(**{**COMMON, "tie_word_embeddings": True})),
-    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON)),
-    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON)),
-    "qwen3": lambda: transformers.Qwen3ForCausalLM(
-        transformers.Qwen3Config(**COMMON, head_dim=32)),
+    "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig, {}),
+    "llama3-rope": (transformers.LlamaForCausalLM, transformers.LlamaConfig,
+                    {"rope_parameters": LLAMA3_ROPE}),
+    "llama-tied": (transformers.LlamaForCausalLM, transformers.LlamaConfig,
+                   {"tie_word_embeddings": True}),
+    "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig, {}),
+    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, {}),
+    "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config, {"head_dim": 32}),
 }
 
 
@@ -54,10 +53,14 @@ def save_tokenizer(directory: Path) -> None:
     fast.save_pretrained(directory)
 
 
-def build_tiny(kind: str, directory: Path, seed: int = 0, std: float = 0.3):
-    """Save a tiny ``kind`` model with weights scaled so logits are O(1–10); return it."""
+def build_tiny(kind: str, directory: Path, seed: int = 0, std: float = 0.3, **config):
+    """Save a tiny ``kind`` model with weights scaled so logits are O(1–10); return it.
+
+    ``config`` overrides entries of the transformers config (e.g. ``head_dim``).
+    """
     torch.manual_seed(seed)
-    model = FAMILIES[kind]().eval()
+    model_cls, config_cls, extra = FAMILIES[kind]
+    model = model_cls(config_cls(**{**COMMON, **extra, **config})).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -22,7 +22,7 @@ FAMILIES = ("llama", "llama3-rope", "mistral", "qwen2", "qwen3")
 @pytest.fixture(scope="module", params=FAMILIES)
 def tiny(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
-    build_tiny(request.param, path)
+    build_tiny(request.param, path, head_dim=32)  # the CUDA prefill kernel wants a multiple of 32
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
     return path, prompts
@@ -69,6 +69,7 @@ def test_bf16_on_cuda_stays_close_to_fp32(tiny):
 def test_preemption_and_abort_on_cuda_free_everything(tiny):
     path, prompts = tiny
     engine = make_engine(path, **{"model.device": "cuda", "engine.block_size": 16,
+                                  "engine.max_num_batched_tokens": 64,
                                   "engine.num_kv_blocks": 14})
     outs = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0,
                                                    ignore_eos=True))
