@@ -1,0 +1,236 @@
+"""Turn one step's logits into next tokens, per-request settings applied row by row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from heron.core.logprobs import TokenLogprobs, gather_token_logprobs
+from heron.core.penalties import apply_min_tokens, apply_penalties
+from heron.core.sequence import Sequence
+
+# Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS): dividing logits by
+# them can overflow to inf and turn the softmax into NaN, and the result would be argmax anyway.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+# Floor for the exponential noise: torch's exponential_ can return exactly 0 on some
+# backends (pytorch#22557), and 0/0 would make argmax pick a token of probability zero.
+_MIN_NOISE = torch.finfo(torch.float32).tiny
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """The sampler's answer for one batch; lists are in row order.
+
+    ``token_ids[i]`` is the token chosen for row ``i``, or ``-1`` for a failed row.
+    ``failed_rows`` lists, ascending, the rows whose raw logits were unusable (a NaN or a
+    ``+inf`` anywhere, or every entry ``-inf``); the engine should finish those sequences
+    with an error instead of emitting a token.
+    ``logprobs`` is None when no row asked for logprobs; otherwise ``logprobs[i]`` describes
+    ``token_ids[i]`` under the raw distribution with ``params.logprobs`` alternatives, and is
+    None for rows that did not ask and for failed rows.
+    """
+
+    token_ids: list[int]
+    failed_rows: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+class Sampler:
+    """Samples one token per row, vLLM-compatible in the order settings are applied.
+
+    Per row: raw logprobs for reporting, min_tokens bans, penalties, then either argmax
+    (greedy rows) or temperature, top-k, top-p, min-p and a draw. A row of a request with a
+    seed draws its noise only from ``seq.generator``, so its tokens depend on nothing but
+    its own logits and seed: not on batch size, row position or other requests.
+    """
+
+    def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """Pick the next token of every sequence.
+
+        :param logits: ``[B, V]`` float32 raw logits; row ``i`` belongs to ``seqs[i]``.
+            NOTE: may be edited in place (bans, penalties, temperature, filters); copy it
+            first if the raw values are needed afterwards.
+        :param seqs: the sequences, each with ``params``; ``generator`` (a
+            ``torch.Generator`` on ``logits``' device) when the request has a seed.
+        :returns: a ``SamplerOutput`` whose lists have ``B`` entries.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(seqs):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} sequences")
+        logits = logits.float()  # a no-op for the float32 the contract asks for
+        # One reduction finds all three ways a row can be unusable: amax is NaN if any entry
+        # is NaN, +inf if any is +inf, -inf if every entry is masked.
+        is_failed = ~torch.isfinite(logits.amax(dim=-1))
+        num_logprobs = [seq.params.logprobs for seq in seqs]
+        wants_logprobs = any(k is not None for k in num_logprobs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+
+        apply_min_tokens(logits, seqs, self.eos_token_ids)
+        apply_penalties(logits, seqs)
+        chosen = self._choose(logits, seqs).masked_fill_(is_failed, -1)
+
+        token_ids = chosen.tolist()  # the one device sync, unless logprobs are asked for
+        failed_rows = [i for i, t in enumerate(token_ids) if t < 0]
+        if not wants_logprobs:
+            return SamplerOutput(token_ids=token_ids, failed_rows=failed_rows)
+        return SamplerOutput(token_ids=token_ids, failed_rows=failed_rows,
+                             logprobs=_row_logprobs(raw_logprobs, chosen, num_logprobs,
+                                                    failed_rows))
+
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """``[B]`` int64 tokens: argmax for greedy rows, a draw for the rest."""
+        random_rows = [i for i, seq in enumerate(seqs)
+                       if seq.params.temperature >= GREEDY_TEMPERATURE_EPS]
+        if not random_rows:
+            return logits.argmax(dim=-1)
+        if len(random_rows) == len(seqs):
+            return _draw(logits, seqs)
+        index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
+        drawn = _draw(logits.index_select(0, index), [seqs[i] for i in random_rows])
+        return logits.argmax(dim=-1).index_copy_(0, index, drawn)
+
+
+def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Sample one token per row from ``logits`` (edited in place) under each row's params."""
+    params = [seq.params for seq in seqs]
+    vocab_size = logits.shape[1]
+    device = logits.device
+    temperatures = [p.temperature for p in params]
+    if any(t != 1.0 for t in temperatures):
+        logits.div_(torch.tensor(temperatures, dtype=logits.dtype, device=device).view(-1, 1))
+
+    # Only rows that ask for top-k or top-p pay for a topk or a sort.
+    sort_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab_size or p.top_p < 1.0]
+    if sort_rows:
+        top_k = [min(params[i].top_k, vocab_size) if params[i].top_k > 0 else vocab_size
+                 for i in sort_rows]
+        top_p = [params[i].top_p for i in sort_rows]
+        if len(sort_rows) == len(seqs):
+            _apply_top_k_top_p(logits, top_k, top_p)
+        else:
+            index = torch.tensor(sort_rows, dtype=torch.long, device=device)
+            sub = logits.index_select(0, index)
+            _apply_top_k_top_p(sub, top_k, top_p)
+            logits.index_copy_(0, index, sub)
+
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        _apply_min_p(logits, min_p)
+
+    probs = logits.softmax(dim=-1)
+    return _draw_from(probs, [seq.generator for seq in seqs])
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> None:
+    """Mask (in place, to ``-inf``) what top-k and then top-p remove.
+
+    ``top_k[i]`` in ``[1, V]`` (``V`` = off): keep tokens at least as large as the k-th
+    largest logit, so ties at the boundary survive (as vLLM). ``top_p[i]`` in ``(0, 1]``:
+    keep the smallest most-likely-first set whose probability, renormalised after top-k,
+    reaches ``top_p``; the most likely token always stays.
+    """
+    device = logits.device
+    k = torch.tensor(top_k, dtype=torch.long, device=device).view(-1, 1)
+    if all(p >= 1.0 for p in top_p):
+        # Top-k alone needs only each row's k-th largest value: topk, not a full sort.
+        kth_largest = logits.topk(max(top_k), dim=-1).values.gather(1, k - 1)
+        logits.masked_fill_(logits < kth_largest, float("-inf"))
+        return
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    kth_largest = sorted_logits.gather(1, k - 1)
+    remove = sorted_logits < kth_largest
+    sorted_logits.masked_fill_(remove, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 for the top token
+    # Rows with top_p == 1 get an unreachable threshold: rounding in the cumsum could
+    # otherwise push the tail's mass_before to 1.0 and cut tokens nobody asked to cut.
+    p = torch.tensor([x if x < 1.0 else float("inf") for x in top_p],
+                     dtype=logits.dtype, device=device).view(-1, 1)
+    remove |= mass_before >= p
+    logits.masked_fill_(torch.empty_like(remove).scatter_(1, order, remove), float("-inf"))
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: list[float]) -> None:
+    """Mask tokens whose probability is below ``min_p[i]`` times the row's top probability.
+
+    Compared in logit space, ``l - l_max < log(min_p)``, so no softmax is needed; ``min_p``
+    of 0 gives ``log = -inf`` and masks nothing. Probability ratios do not change when
+    top-k / top-p renormalise and the top token always survives them, so running this after
+    them equals running it on the temperature-scaled distribution.
+    """
+    log_min_p = torch.tensor(min_p, dtype=logits.dtype, device=logits.device).log().view(-1, 1)
+    threshold = logits.amax(dim=-1, keepdim=True) + log_min_p
+    logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def _draw_from(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row with ``P(token) = probs[row, token]``; ``probs`` may be overwritten.
+
+    Rows with a generator draw their randomness from it alone, a fixed amount per step
+    whatever the batch, so a seeded request is reproducible; the other rows share one
+    batched draw from the default generator.
+    """
+    seeded = [(i, g) for i, g in enumerate(generators) if g is not None]
+    if probs.device.type == "cpu":
+        return _inverse_cdf(probs, seeded, len(seeded) < len(generators))
+    return _exponential_race(probs, seeded, len(seeded) < len(generators))
+
+
+def _inverse_cdf(probs: torch.Tensor, seeded: list[tuple[int, torch.Generator]],
+                 has_unseeded: bool) -> torch.Tensor:
+    """The first token whose cumulative probability reaches ``u * total``, ``u`` in ``(0, 1]``.
+
+    One uniform per row instead of ``V`` exponentials: on the CPU the random numbers are
+    what an exponential race spends its time on (about 10x a cumsum).
+    NOTE: exact only with the CPU's sequential cumsum, which leaves a zero-probability
+    token's entry equal to its predecessor's, so it can never be the first to reach the
+    target; a parallel scan may round the two differently, hence the race on other devices.
+    """
+    u = torch.empty(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
+    if has_unseeded:
+        u.uniform_()
+    for i, generator in seeded:
+        u[i].uniform_(generator=generator)
+    cdf = probs.cumsum(dim=-1)
+    # 1 - u lies in (0, 1]: the target is above 0 (a leading zero-probability token cannot
+    # match it) and at most the total (some token always does).
+    target = (1.0 - u) * cdf[:, -1:]
+    # The clamp only matters for NaN rows, which are reported failed anyway.
+    return torch.searchsorted(cdf, target).view(-1).clamp_(max=probs.shape[1] - 1)
+
+
+def _exponential_race(probs: torch.Tensor, seeded: list[tuple[int, torch.Generator]],
+                      has_unseeded: bool) -> torch.Tensor:
+    """``argmax(probs / q)`` with ``q ~ Exp(1)`` per token: elementwise, so any device runs it."""
+    noise = torch.empty_like(probs)
+    if has_unseeded:
+        noise.exponential_()
+    for i, generator in seeded:
+        noise[i].exponential_(generator=generator)
+    noise.clamp_min_(_MIN_NOISE)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def _row_logprobs(raw_logprobs: torch.Tensor, chosen: torch.Tensor,
+                  num_logprobs: list[int | None],
+                  failed_rows: list[int]) -> list[TokenLogprobs | None]:
+    """Per-row ``TokenLogprobs`` for rows that asked and did not fail, else None."""
+    failed = set(failed_rows)
+    rows = [i for i, k in enumerate(num_logprobs) if k is not None and i not in failed]
+    result: list[TokenLogprobs | None] = [None] * len(num_logprobs)
+    if not rows:
+        return result
+    if len(rows) == len(num_logprobs):
+        described = gather_token_logprobs(raw_logprobs, chosen, num_logprobs)
+    else:
+        index = torch.tensor(rows, dtype=torch.long, device=raw_logprobs.device)
+        described = gather_token_logprobs(raw_logprobs.index_select(0, index),
+                                          chosen.index_select(0, index),
+                                          [num_logprobs[i] for i in rows])
+    for i, entry in zip(rows, described):
+        result[i] = entry
+    return result
