@@ -17,14 +17,26 @@ class ConfigError(ValueError):
     """A configuration problem, with the file and key it came from in the message."""
 
 
+_SECRET_KEYS = frozenset({"api_keys"})  # never echoed in errors, reprs or `heron config`
+
+
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         for name, ok, why in self._checks():
             if not ok:
-                raise ValueError(f"`{name}` {why} (got {getattr(self, name)!r})")
+                got = "" if name in _SECRET_KEYS else f" (got {getattr(self, name)!r})"
+                raise ValueError(f"`{name}` {why}{got}")
 
     def _checks(self) -> tuple[tuple[str, bool, str], ...]:
         return ()
+
+    def __repr__(self) -> str:  # NOTE: secrets must never reach a log line or a traceback
+        fields = (f"{k}={_masked(k, getattr(self, k))}" for k in self.__struct_fields__)
+        return f"{type(self).__name__}({', '.join(fields)})"
+
+
+def _masked(key: str, value: Any) -> str:
+    return f"<{len(value)} hidden>" if key in _SECRET_KEYS and value else repr(value)
 
 
 class ModelConfig(_Section):
@@ -62,9 +74,39 @@ class EngineConfig(_Section):
         )
 
 
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_keys: list[str] = []
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_waiting_requests: int = 256
+    shutdown_timeout_s: float = 10.0
+
+    def _checks(self):
+        return (
+            ("host", bool(self.host), "must not be empty"),
+            ("port", 0 <= self.port <= 65535, "must be in 0..65535"),
+            ("served_model_name", self.served_model_name is None or bool(self.served_model_name),
+             "must not be empty"),
+            ("api_keys", all(k.strip() for k in self.api_keys), "must not contain an empty key"),
+            ("max_body_bytes", self.max_body_bytes >= 1024, "must be >= 1024"),
+            ("max_waiting_requests", self.max_waiting_requests >= 1, "must be >= 1"),
+            ("shutdown_timeout_s", self.shutdown_timeout_s >= 0, "must be >= 0"),
+        )
+
+
+class LoggingConfig(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["auto", "json", "console"] = "auto"
+    log_requests: bool = True
+
+
 class Config(_Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -87,6 +129,38 @@ def parse_override(item: str) -> tuple[str, Any]:
     except tomllib.TOMLDecodeError:
         value = raw
     return key.strip(), value
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return msgspec.json.encode(value).decode()  # a JSON string is a TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def dump_config(config: Config, *, hide: tuple[str, ...] = ("server.api_keys",)) -> str:
+    """The config as TOML that `load_config` reads back to an equal Config (but for the
+    keys named in ``hide``, which are written masked, commented out). Unset (None) keys are
+    written commented out too."""
+    lines: list[str] = []
+    for section in config.__struct_fields__:
+        values = getattr(config, section)
+        lines.append(f"[{section}]")
+        for key in values.__struct_fields__:
+            value = getattr(values, key)
+            if value is None:
+                lines.append(f"# {key} = (unset)")
+            elif f"{section}.{key}" in hide and value:
+                lines.append(f"# {key} = ({len(value)} hidden)")
+            else:
+                lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] = ()) -> Config:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
-from heron.core.config import ConfigError, load_config, parse_override
+from heron.core.config import ConfigError, dump_config, load_config, parse_override
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -20,7 +22,47 @@ def _config(args):
     overrides = dict(parse_override(item) for item in args.overrides)
     if getattr(args, "model", None):
         overrides["model.path"] = args.model
-    return load_config(args.config, overrides)
+    for key in ("host", "port"):
+        if getattr(args, key, None) is not None:
+            overrides[f"server.{key}"] = getattr(args, key)
+    config = load_config(args.config, overrides)
+    # keys from the environment stay out of `ps` output and shell history
+    env_keys = [k.strip() for k in os.environ.get("HERON_API_KEYS", "").split(",") if k.strip()]
+    if env_keys:
+        overrides["server.api_keys"] = config.server.api_keys + env_keys
+        config = load_config(args.config, overrides)
+    return config
+
+
+def cmd_serve(args) -> int:
+    config = _config(args)
+    if config.model.path is not None and not Path(config.model.path).expanduser().exists():
+        raise ConfigError(f"model path {config.model.path!r} does not exist")
+    from aiohttp import web
+
+    from heron.server.app import create_app
+    from heron.server.logs import configure_logging
+    configure_logging(config.logging)
+    import structlog
+    log = structlog.get_logger("heron.server")
+    try:
+        # handler_cancellation: a client that hangs up cancels its handler, which aborts
+        # its request in the engine before the next step
+        web.run_app(create_app(config), host=config.server.host, port=config.server.port,
+                    access_log=None, handler_cancellation=True,
+                    shutdown_timeout=config.server.shutdown_timeout_s,
+                    print=lambda message: log.info("listening", host=config.server.host,
+                                                   port=config.server.port))
+    except (OSError, ValueError, RuntimeError) as e:  # model load or bind failures
+        log.error("could not serve", error=f"{type(e).__name__}: {e}")
+        print(f"heron: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_config(args) -> int:
+    sys.stdout.write(dump_config(_config(args)))
+    return 0
 
 
 def cmd_generate(args) -> int:
@@ -73,6 +115,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                       description="Serve MODEL over an OpenAI-compatible HTTP API "
+                       "(/v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
+                       "/detokenize, /health, /metrics, /openapi.json).")
+    _add_config_args(p)
+    p.add_argument("--host", help="address to listen on (server.host; default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="TCP port (server.port; default 8000)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("config", help="print the effective configuration as TOML")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("plugins", help="list loaded plugins and what they register")
     p.set_defaults(func=cmd_plugins)

@@ -1,0 +1,300 @@
+"""The asyncio driver of an `Engine`: steps run in a worker thread, results flow to queues.
+
+Threading contract (the Engine is not thread-safe):
+  - ``Engine.step`` runs in one dedicated worker thread, so the event loop (and ``/health``)
+    stays responsive while the model computes;
+  - everything else that touches the Engine (``add_request``, ``abort``) runs on the event
+    loop thread inside the engine task, *between* steps, never while a step is in flight.
+    Callers only enqueue commands; ``add`` awaits the engine task's verdict.
+  - An abort enqueued while a step runs takes effect before the next step starts.
+
+Each step's live `RequestOutput` views are copied into immutable `RequestDelta`s on the worker
+thread, before the next step can change them, and handed to the loop in one callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from heron.core.engine import Engine
+from heron.core.logprobs import TokenLogprobs
+from heron.core.outputs import RequestOutput
+from heron.core.sampling_params import SamplingParams
+
+__all__ = ["AsyncEngine", "EngineStats", "EngineStoppedError", "QueueFullError", "RequestDelta",
+           "SeqDelta"]
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; the caller should retry later (HTTP 429)."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine task is not running (shutting down or crashed; HTTP 503)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SeqDelta:
+    """What one sequence of a request gained in one step."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDelta:
+    """One request's progress in one step: only the sequences that changed.
+
+    ``prompt_logprobs`` is sent once, in the first delta after the prompt is fully computed.
+    ``finished`` is True in the request's last delta.
+    """
+
+    request_id: str
+    seqs: list[SeqDelta]
+    finished: bool
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    time_s: float = 0.0  # time.monotonic() when the step ended
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot taken between steps (safe to read from any thread)."""
+
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    num_kv_blocks_total: int = 0
+    num_kv_blocks_in_use: int = 0
+
+
+Sink = Callable[[RequestDelta], None]
+
+
+@dataclass(slots=True)
+class _Pending:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Sink
+    accepted: asyncio.Future
+
+
+class _DeltaCopier:
+    """Copies live outputs into deltas, remembering what each request was already sent.
+
+    Used by the worker thread during a step and by the loop thread between steps, never both
+    at once (the engine task serialises them).
+    """
+
+    def __init__(self) -> None:
+        self._finished: dict[str, set[int]] = {}  # indices whose finish was sent
+        self._sent_prompt_logprobs: set[str] = set()
+
+    def copy(self, out: RequestOutput, now: float) -> RequestDelta:
+        done = self._finished.setdefault(out.request_id, set())
+        seqs = []
+        for o in out.outputs:
+            if o.index in done or (not o.new_token_ids and o.finish_reason is None):
+                continue
+            new = len(o.new_token_ids)
+            logprobs = None if o.logprobs is None else (o.logprobs[-new:] if new else [])
+            seqs.append(SeqDelta(o.index, o.new_text, list(o.new_token_ids), logprobs,
+                                 o.finish_reason, o.stop_reason, o.error))
+            if o.finish_reason is not None:
+                done.add(o.index)
+        prompt_logprobs = None
+        if (out.prompt_logprobs is not None and out.request_id not in self._sent_prompt_logprobs
+                and len(out.prompt_logprobs) == len(out.prompt_token_ids)):
+            self._sent_prompt_logprobs.add(out.request_id)
+            prompt_logprobs = list(out.prompt_logprobs)
+        if out.finished:
+            self.forget(out.request_id)
+        return RequestDelta(out.request_id, seqs, out.finished, prompt_logprobs,
+                            out.num_cached_tokens, now)
+
+    def stopped(self, out: RequestOutput, reason: str, error: str | None) -> RequestDelta:
+        """The last delta of a request stopped outside a step (abort, engine fault, shutdown).
+        Text the stop flushed is dropped: nobody is waiting for an aborted request's tail."""
+        done = self._finished.get(out.request_id, set())
+        seqs = [SeqDelta(o.index, "", [], None if o.logprobs is None else [], reason, None, error)
+                for o in out.outputs if o.index not in done]
+        self.forget(out.request_id)
+        return RequestDelta(out.request_id, seqs, True, None, out.num_cached_tokens,
+                            time.monotonic())
+
+    def forget(self, request_id: str) -> None:
+        self._finished.pop(request_id, None)
+        self._sent_prompt_logprobs.discard(request_id)
+
+
+class AsyncEngine:
+    """Runs ``engine`` from an asyncio loop: `start` the engine task, `stop` it at shutdown.
+
+    ``add`` raises `QueueFullError` when ``max_waiting_requests`` requests are already
+    waiting, the Engine's ValueError for a request it cannot serve, and `EngineStoppedError`
+    when the engine task is not running. Every accepted request gets deltas through its sink
+    until one with ``finished`` (also on abort, engine fault and shutdown).
+    """
+
+    def __init__(self, engine: Engine, *, max_waiting_requests: int = 256) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.stats = EngineStats(num_kv_blocks_total=engine.num_kv_blocks)
+        self._pending: dict[str, _Pending] = {}
+        self._aborts: set[str] = set()
+        self._sinks: dict[str, Sink] = {}
+        self._copier = _DeltaCopier()
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._task: asyncio.Task | None = None
+        self._inflight: asyncio.Future | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heron-engine")
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done() and not self._stopping
+
+    @property
+    def num_requests(self) -> int:
+        """Requests accepted or queued and not yet finished."""
+        return len(self._sinks) + len(self._pending)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="heron-engine")
+
+    async def stop(self) -> None:
+        """Finish the step in flight, abort every request (their sinks get a last delta)."""
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+
+    # -- commands (event loop thread) ------------------------------------------------------
+
+    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                  sink: Sink) -> None:
+        """Queue a request; returns once the engine accepted it (deltas then go to ``sink``)."""
+        if not self.is_running:
+            raise EngineStoppedError("the engine is not running")
+        if request_id in self._pending or request_id in self._sinks:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if self.stats.num_requests_waiting + len(self._pending) >= self.max_waiting_requests:
+            raise QueueFullError(f"{self.max_waiting_requests} requests are already waiting")
+        accepted = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = _Pending(request_id, prompt_ids, params, sink, accepted)
+        self._wake.set()
+        await accepted
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request before the next step; unknown or finished ids are ignored."""
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            pending.accepted.cancel()
+        elif request_id in self._sinks:
+            self._aborts.add(request_id)
+            self._wake.set()
+
+    # -- the engine task -------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        """Apply commands, step in the worker thread, dispatch; until `stop`."""
+        loop = asyncio.get_running_loop()
+        try:
+            while not self._stopping:
+                self._apply_commands()
+                if not self.engine.has_unfinished():
+                    self._wake.clear()
+                    if not self._pending and not self._aborts and not self._stopping:
+                        await self._wake.wait()
+                    continue
+                # NOTE: no await between here and the step's end may touch the engine.
+                self._inflight = loop.run_in_executor(self._executor, self._step)
+                try:
+                    deltas, stats = await self._inflight
+                except Exception:  # a bug below the family: fail what is in flight, go on
+                    log.exception("engine step failed")
+                    self._stop_all("error", "internal error in the engine step")
+                    continue
+                self.stats = stats
+                for delta in deltas:
+                    self._deliver(delta)
+        finally:
+            for p in self._pending.values():
+                if not p.accepted.done():
+                    p.accepted.set_exception(EngineStoppedError("the engine stopped"))
+            self._pending.clear()
+            if self._inflight is None or self._inflight.done():
+                self._stop_all("abort", None)
+            else:  # cancelled mid-step: the worker still owns the engine, leave it alone
+                for request_id in list(self._sinks):
+                    self._sinks.pop(request_id)(RequestDelta(request_id, [], True))
+
+    def _apply_commands(self) -> None:
+        for request_id in self._aborts:
+            self._stop(request_id, "abort", None)
+        self._aborts.clear()
+        pending, self._pending = self._pending, {}
+        for p in pending.values():
+            if p.accepted.done():  # its caller was cancelled while waiting: nobody to serve
+                continue
+            try:
+                self.engine.add_request(p.request_id, p.prompt_ids, p.params)
+            except Exception as e:  # the Engine's ValueError reaches the caller as is
+                p.accepted.set_exception(e)
+                continue
+            self._sinks[p.request_id] = p.sink
+            p.accepted.set_result(None)
+        self.stats = self._read_stats()
+
+    def _step(self) -> tuple[list[RequestDelta], EngineStats]:
+        """Worker thread: one step, its outputs copied out before the next step."""
+        outputs = self.engine.step()
+        now = time.monotonic()
+        deltas = (self._copier.copy(out, now) for out in outputs)
+        # a prefill chunk that produced nothing yet is news to nobody
+        return ([d for d in deltas if d.seqs or d.finished or d.prompt_logprobs is not None],
+                self._read_stats())
+
+    def _read_stats(self) -> EngineStats:
+        sched = self.engine.scheduler
+        running = {s.request_id for s in sched.running}
+        waiting = {s.request_id for s in sched.waiting} - running
+        return EngineStats(len(running), len(waiting), self.engine.num_kv_blocks,
+                           self.engine.block_pool.num_used_blocks)
+
+    def _stop(self, request_id: str, reason: str, error: str | None) -> None:
+        out = self.engine.abort(request_id)
+        if out is not None:
+            self._deliver(self._copier.stopped(out, reason, error))
+        else:
+            self._copier.forget(request_id)
+            self._sinks.pop(request_id, None)
+
+    def _stop_all(self, reason: str, error: str | None) -> None:
+        for request_id in list(self._sinks):
+            self._stop(request_id, reason, error)
+        self.stats = self._read_stats()
+
+    def _deliver(self, delta: RequestDelta) -> None:
+        sink = self._sinks.get(delta.request_id)
+        if sink is None:
+            return
+        if delta.finished:
+            del self._sinks[delta.request_id]
+        try:
+            sink(delta)
+        except Exception:  # one consumer's fault must not stop the engine
+            log.exception("delivering to request %s failed", delta.request_id)

@@ -1,0 +1,130 @@
+"""From a decoded request to what the engine takes: checks that name the field at fault.
+
+Everything here raises `APIError` (400 or 404) before any engine work is queued.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from heron.core.chat_template import ChatTemplateError
+from heron.core.sampling_params import SamplingParams
+from heron.server.appkeys import ASYNC_ENGINE, MODEL_NAME
+from heron.server.errors import APIError, bad_request
+from heron.server.protocol import ChatMessage, SamplingFields
+
+
+def check_request(app: web.Application, req: SamplingFields) -> None:
+    """Refuse unsupported fields by name and models this server does not serve."""
+    if (name := req.unsupported_field()) is not None:
+        raise bad_request(f"`{name}` is not supported by this server", param=name,
+                          code="unsupported_field")
+    check_model(app, req.model)
+
+
+def check_model(app: web.Application, model: str | None) -> None:
+    if model is not None and model != app[MODEL_NAME]:
+        raise APIError(404, f"the model `{model}` does not exist; this server serves "
+                       f"`{app[MODEL_NAME]}`", param="model", code="model_not_found")
+
+
+def tokenizer_of(app: web.Application):
+    tokenizer = app[ASYNC_ENGINE].engine.tokenizer
+    if tokenizer is None:
+        raise bad_request("this model has no tokenizer; send token ids", code="no_tokenizer")
+    return tokenizer
+
+
+def encode_prompts(app: web.Application,
+                   prompt: str | list[Any]) -> tuple[list[str], list[list[int]]]:
+    """A completion's ``prompt`` (string, strings, token ids, lists of token ids) as
+    (texts, token ids), one entry per prompt."""
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif any(type(t) is int for t in prompt):
+        if not all(type(t) is int for t in prompt):
+            raise bad_request("`prompt` mixes token ids with other values", param="prompt")
+        items = [prompt]
+    else:
+        items = prompt
+    if not items:
+        raise bad_request("`prompt` must not be empty", param="prompt")
+    texts, ids = [], []
+    vocab = app[ASYNC_ENGINE].engine.runner.info.vocab_size
+    for i, item in enumerate(items):
+        where = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        if isinstance(item, str):
+            tokenizer = tokenizer_of(app)
+            texts.append(item)
+            ids.append(tokenizer.encode(item))
+        elif isinstance(item, list) and item and all(type(t) is int for t in item):
+            if (bad := next((t for t in item if not 0 <= t < vocab), None)) is not None:
+                raise bad_request(f"token id {bad} in `{where}` is outside the vocabulary "
+                                  f"(0..{vocab - 1})", param=where)
+            tokenizer = app[ASYNC_ENGINE].engine.tokenizer
+            texts.append(tokenizer.decode(item, skip_special_tokens=False) if tokenizer else "")
+            ids.append(list(item))
+        else:
+            raise bad_request(f"`{where}` must be a string, a list of strings, a non-empty list "
+                              "of token ids or a list of such lists", param=where)
+        if not ids[-1]:
+            raise bad_request(f"`{where}` encodes to no tokens", param=where)
+    return texts, ids
+
+
+def chat_prompt(app: web.Application, messages: list[ChatMessage], *,
+                add_generation_prompt: bool = True,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Token ids of ``messages`` rendered with the model's chat template."""
+    plain = []
+    for m in messages:
+        content = m.content if not isinstance(m.content, list) else [
+            {"type": "text", "text": part.text} for part in m.content]
+        role = "system" if m.role == "developer" else m.role  # templates predate "developer"
+        plain.append({"role": role, "content": content or "",
+                      **({"name": m.name} if m.name else {})})
+    reserved = {"messages", "add_generation_prompt", "tokenize", "special_tokens", "template"}
+    if clash := sorted(reserved & set(template_kwargs or ())):
+        raise bad_request(f"`chat_template_kwargs` may not set {', '.join(clash)}",
+                          param="chat_template_kwargs")
+    try:
+        return tokenizer_of(app).apply_chat_template(
+            plain, add_generation_prompt=add_generation_prompt, tokenize=True,
+            **(template_kwargs or {}))
+    except ChatTemplateError as e:
+        raise bad_request(f"the chat template refused the messages: {e}",
+                          param="messages") from None
+
+
+def check_fits(app: web.Application, prompt_ids: list[int], max_tokens: int | None,
+               param: str) -> None:
+    limit = app[ASYNC_ENGINE].engine.max_model_len
+    if len(prompt_ids) >= limit:
+        raise bad_request(f"`{param}` is {len(prompt_ids)} tokens; this model's context is "
+                          f"{limit} tokens, leaving no room to generate", param=param,
+                          code="context_length_exceeded")
+    if max_tokens is not None and len(prompt_ids) + max_tokens > limit:
+        raise bad_request(f"`{param}` ({len(prompt_ids)} tokens) + `max_tokens` ({max_tokens}) "
+                          f"exceeds this model's context of {limit} tokens",
+                          param="max_tokens", code="context_length_exceeded")
+
+
+def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    params = SamplingParams(
+        n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
+        temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
+        seed=req.seed, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+        stop=[s for s in stop if s], stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens)
+    try:
+        params.validate()
+    except ValueError as e:  # "<field> is out of range: ..."
+        raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from None
+    return params

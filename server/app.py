@@ -1,0 +1,65 @@
+"""The aiohttp application: `create_app(config)` and the engine's start-up/shutdown pair."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+from aiohttp import web
+
+from heron.core.async_engine import AsyncEngine
+from heron.core.config import Config
+from heron.core.engine import Engine
+from heron.server.appkeys import (ASYNC_ENGINE, CONFIG, CREATED_AT, METRICS, MODEL_NAME,
+                                  TOKEN_TEXTS)
+from heron.server.errors import error_middleware
+from heron.server.logprob_format import TokenTexts
+from heron.server.metrics import Metrics
+from heron.server.middleware import auth_middleware, echo_request_id, request_id_middleware
+from heron.server.routes import setup_routes
+
+log = structlog.get_logger("heron.server")
+
+
+def create_app(config: Config, *, engine: Engine | None = None) -> web.Application:
+    """The server for ``config``. ``engine``: an already loaded Engine to serve (tests share
+    one between apps); otherwise the model loads at start-up, before the port opens."""
+    app = web.Application(
+        client_max_size=config.server.max_body_bytes,
+        middlewares=[request_id_middleware, error_middleware,
+                     auth_middleware(config.server.api_keys)])
+    app[CONFIG] = config
+    app.cleanup_ctx.append(_engine_context(engine))
+    app.on_response_prepare.append(echo_request_id)
+    setup_routes(app)
+    return app
+
+
+def served_model_name(config: Config, engine: Engine) -> str:
+    """``server.served_model_name``, else the model's file or directory name."""
+    return config.server.served_model_name or engine.runner.info.name.removesuffix(".gguf")
+
+
+def _engine_context(given: Engine | None):
+    async def engine_context(app: web.Application):
+        config = app[CONFIG]
+        engine = given
+        if engine is None:
+            # loading takes seconds to minutes; keep the loop free for signals meanwhile
+            engine = await asyncio.get_running_loop().run_in_executor(None, Engine, config)
+        async_engine = AsyncEngine(engine,
+                                   max_waiting_requests=config.server.max_waiting_requests)
+        app[ASYNC_ENGINE] = async_engine
+        app[METRICS] = Metrics(lambda: async_engine.stats)
+        app[MODEL_NAME] = served_model_name(config, engine)
+        app[TOKEN_TEXTS] = TokenTexts(engine.tokenizer)
+        app[CREATED_AT] = int(time.time())
+        async_engine.start()
+        log.info("engine started", model=app[MODEL_NAME], kv_blocks=engine.num_kv_blocks,
+                 max_model_len=engine.max_model_len, device=str(engine.device))
+        yield
+        await async_engine.stop()
+        log.info("engine stopped")
+
+    return engine_context

@@ -1,0 +1,19 @@
+"""Typed keys for what the application holds (aiohttp's `web.AppKey`)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from heron.core.async_engine import AsyncEngine
+from heron.core.config import Config
+from heron.server.logprob_format import TokenTexts
+from heron.server.metrics import Metrics
+
+CONFIG = web.AppKey("config", Config)
+ASYNC_ENGINE = web.AppKey("async_engine", AsyncEngine)
+METRICS = web.AppKey("metrics", Metrics)
+MODEL_NAME = web.AppKey("model_name", str)
+TOKEN_TEXTS = web.AppKey("token_texts", TokenTexts)
+CREATED_AT = web.AppKey("created_at", int)  # unix time the model was loaded
+
+__all__ = ["ASYNC_ENGINE", "CONFIG", "CREATED_AT", "METRICS", "MODEL_NAME", "TOKEN_TEXTS"]

@@ -1,0 +1,133 @@
+"""POST /v1/completions: prompts in, text (and logprobs) out, whole or streamed.
+
+``echo`` prepends each prompt (and, with ``logprobs``, its prompt logprobs, the first token
+having none). ``max_tokens: 0`` with ``echo`` scores the prompt without generating, the way
+evaluation harnesses use the API.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from heron.server.admission import (check_fits, check_request, encode_prompts,
+                                    sampling_params)
+from heron.server.appkeys import TOKEN_TEXTS
+from heron.server.errors import bad_request, decode_body
+from heron.server.generation import Choice, Generation
+from heron.server.logprob_format import completion_logprobs, token_id_text
+from heron.server.protocol import CompletionRequest
+from heron.server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, encode
+from heron.server.sse import EventStream
+
+
+async def create_completion(request: web.Request) -> web.StreamResponse:
+    req = await decode_body(request, CompletionRequest)
+    check_request(request.app, req)
+    score_only = req.echo and req.max_tokens == 0
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("`max_tokens` must be >= 1 (0 is allowed only with `echo`)",
+                          param="max_tokens")
+    max_tokens = 1 if score_only else req.max_tokens
+    texts, prompts = encode_prompts(request.app, req.prompt)
+    for ids in prompts:
+        check_fits(request.app, ids, max_tokens, "prompt")
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
+                             prompt_logprobs=req.logprobs if req.echo else None)
+    view = _View(request, req, texts, prompts, score_only)
+    async with Generation(request, "cmpl", prompts, params) as gen:
+        if req.stream:
+            return await view.stream(gen)
+        await gen.run_to_end()
+        if (error := gen.failure()) is not None:
+            raise error
+        choices = [view.whole_choice(gen, c) for c in sorted(gen.choices.values(),
+                                                                key=lambda c: c.index)]
+        body = CompletionResponse(id=gen.id, created=gen.created, model=gen.model,
+                                  choices=choices, usage=gen.usage(count_completion=not score_only))
+        return web.Response(body=encode(body), content_type="application/json")
+
+
+class _View:
+    """Builds the response shapes of one request."""
+
+    def __init__(self, request: web.Request, req: CompletionRequest, texts: list[str],
+                 prompts: list[list[int]], score_only: bool) -> None:
+        self.request, self.req, self.texts, self.prompts = request, req, texts, prompts
+        self.score_only = score_only
+        self.text_of = (token_id_text if req.return_tokens_as_token_ids
+                        else request.app[TOKEN_TEXTS])
+
+    def _echo(self, gen: Generation, p: int) -> tuple[str, CompletionLogprobs | None]:
+        """Prompt ``p``'s text and, when logprobs were asked for, its prompt logprobs."""
+        if self.req.logprobs is None:
+            return self.texts[p], None
+        entries = gen.prompt_logprobs.get(p, [])
+        return self.texts[p], completion_logprobs(entries, self.text_of,
+                                                  self.prompts[p][:len(entries)], 0)
+
+    def whole_choice(self, gen: Generation, c: Choice) -> CompletionChoice:
+        text, logprobs = self._echo(gen, c.prompt_index) if self.req.echo else ("", None)
+        if self.req.logprobs is not None and logprobs is None:
+            logprobs = CompletionLogprobs()
+        if not self.score_only:
+            if logprobs is not None:
+                completion_logprobs(c.logprobs, self.text_of, c.token_ids, len(text), logprobs)
+            text += c.text
+        return CompletionChoice(index=c.index, text=text, logprobs=logprobs,
+                                finish_reason=_reason(c.finish_reason),
+                                stop_reason=None if self.score_only else c.stop_reason)
+
+    @staticmethod
+    def _chunk(gen: Generation, choices: list[CompletionChoice]) -> CompletionResponse:
+        return CompletionResponse(id=gen.id, created=gen.created, model=gen.model,
+                                  choices=choices)
+
+    async def stream(self, gen: Generation) -> web.StreamResponse:
+        events = EventStream(self.request)
+        await events.start()
+        n = gen.params.n
+        sent_chars = {c.index: 0 for c in gen.choices.values()}
+        echoed: set[int] = set()
+        try:
+            async for p, delta in gen.deltas():
+                if self.req.echo and p not in echoed and (self.req.logprobs is None
+                                                          or p in gen.prompt_logprobs):
+                    echoed.add(p)  # the prompt goes first, in its own event
+                    text, logprobs = self._echo(gen, p)
+                    await events.send(self._chunk(gen, [
+                        CompletionChoice(index=p * n + i, text=text, logprobs=logprobs)
+                        for i in range(n)]))
+                    for i in range(n):
+                        sent_chars[p * n + i] = len(text)
+                chunks = []
+                for sd in delta.seqs:
+                    c = gen.choices[(p, sd.index)]
+                    if sd.finish_reason in ("error", "abort"):
+                        await events.fail(gen.failure())
+                        return events.response
+                    text, logprobs = ("", None) if self.score_only else (sd.text, None)
+                    if self.req.logprobs is not None and not self.score_only:
+                        logprobs = completion_logprobs(sd.logprobs or [], self.text_of,
+                                                       sd.token_ids, sent_chars[c.index])
+                    sent_chars[c.index] += len(text)
+                    if text or logprobs or sd.finish_reason:
+                        chunks.append(CompletionChoice(
+                            index=c.index, text=text, logprobs=logprobs,
+                            finish_reason=_reason(sd.finish_reason),
+                            stop_reason=None if self.score_only else sd.stop_reason))
+                if chunks:
+                    await events.send(self._chunk(gen, chunks))
+            if self.req.stream_options is not None and self.req.stream_options.include_usage:
+                final = self._chunk(gen, [])
+                final.usage = gen.usage(count_completion=not self.score_only)
+                await events.send(final)
+            await events.finish()
+        except ConnectionResetError:
+            pass  # the client left; leaving the Generation aborts what still runs
+        except Exception as e:  # after the status line: say so in the stream
+            await events.fail_after_error(e)
+        return events.response
+
+
+def _reason(reason: str | None) -> str | None:
+    return reason if reason in ("stop", "length") else None

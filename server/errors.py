@@ -1,0 +1,104 @@
+"""Errors in OpenAI's shape, and the middleware that turns every failure into one.
+
+``{"error": {"message", "type", "param", "code"}}`` with the HTTP status the OpenAI API (and
+vLLM) would use. 500 is only for faults of the server itself, and only for the request that
+met them; everything a client can cause is a 4xx that says what to fix.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from heron.server.responses import ErrorInfo, ErrorResponse, encode
+
+log = structlog.get_logger("heron.server")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error answered to the client as is. ``param`` names the offending field."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "server_error" if self.status >= 500 else
+                          "invalid_request_error")
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
+                                             param=self.param, code=self.code))
+
+    def response(self) -> web.Response:
+        return web.Response(status=self.status, body=encode(self.body()),
+                            content_type="application/json", headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+_AT = re.compile(r" - at `\$\.?(.*)`$")
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
+
+
+def from_decode_error(e: msgspec.DecodeError) -> APIError:
+    """A msgspec decode/validation error as a 400 whose ``param`` is the field's path."""
+    text = str(e)
+    path = m[1] if (m := _AT.search(text)) else ""
+    if unknown := _UNKNOWN.search(text):
+        path = f"{path}.{unknown[1]}" if path else unknown[1]
+        return bad_request(f"unknown or unsupported field `{path}`", param=path,
+                           code="unknown_field")
+    if isinstance(e, msgspec.ValidationError):
+        return bad_request(f"invalid request: {text}", param=path or None)
+    return bad_request(f"the body is not valid JSON: {text}", code="invalid_json")
+
+
+async def decode_body(request: web.Request, kind: type):
+    """Read (413 past ``server.max_body_bytes``) and decode a JSON body as ``kind``."""
+    body = await request.read()
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.DecodeError as e:
+        raise from_decode_error(e) from None
+
+
+def _from_http(request: web.Request, e: web.HTTPException) -> APIError:
+    """aiohttp's own errors (no route, wrong method, body too large) in OpenAI's shape."""
+    if e.status == 404:
+        return APIError(404, f"no route {request.method} {request.path}", code="not_found")
+    if e.status == 405:
+        return APIError(405, f"method {request.method} is not allowed on {request.path}",
+                        code="method_not_allowed", headers={"Allow": e.headers.get("Allow", "")})
+    if e.status == 413:
+        return APIError(413, e.text or "request body too large", code="request_too_large")
+    return APIError(e.status, e.text or e.reason or "error")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as e:
+        return e.response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _from_http(request, e).response()
+    except ConnectionResetError:  # the client left; nobody reads this (nginx's "499")
+        return web.Response(status=499)
+    except Exception:
+        log.exception("internal error", path=request.path)
+        return APIError(500, "internal server error").response()

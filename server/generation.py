@@ -1,0 +1,206 @@
+"""One API call's engine requests: submitted together, consumed as one stream, logged once.
+
+A completion with several prompts, or any call with ``n > 1``, becomes one engine request
+per prompt (each with ``n`` sequences); choice ``p * n + i`` is sequence ``i`` of prompt
+``p``. `Generation` is an async context manager: entering submits every prompt (or none,
+raising the APIError the client should get); leaving aborts whatever is still running (the
+client went away, or the handler failed), records the metrics and writes the request's log
+line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import structlog
+from aiohttp import web
+
+from heron.core.async_engine import EngineStoppedError, QueueFullError, RequestDelta
+from heron.core.logprobs import TokenLogprobs
+from heron.core.sampling_params import SamplingParams
+from heron.server.appkeys import ASYNC_ENGINE, CONFIG, METRICS, MODEL_NAME
+from heron.server.errors import APIError
+from heron.server.middleware import arrival_of, request_id_of
+from heron.server.responses import PromptTokensDetails, Usage
+
+log = structlog.get_logger("heron.server.requests")
+
+_SEVERITY = ("stop", "length", "abort", "error")  # the request's reason: its worst choice's
+
+
+@dataclass
+class Choice:
+    """Everything one sequence produced so far."""
+
+    index: int
+    prompt_index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    last_token_s: float | None = None
+
+
+class Generation:
+    """The engine requests of one API call; see the module docstring for the contract."""
+
+    def __init__(self, request: web.Request, kind: str, prompts: list[list[int]],
+                 params: SamplingParams) -> None:
+        app = request.app
+        self._request = request
+        self.engine, self.metrics = app[ASYNC_ENGINE], app[METRICS]
+        self.model = app[MODEL_NAME]
+        self.log_requests = app[CONFIG].logging.log_requests
+        self.id = f"{kind}-{uuid.uuid4().hex}"
+        self.request_id = request_id_of(request)
+        self.kind, self.prompts, self.params = kind, prompts, params
+        self.created = int(time.time())
+        n = params.n
+        self.choices = {(p, i): Choice(p * n + i, p) for p in range(len(prompts)) for i in range(n)}
+        self.prompt_logprobs: dict[int, list[TokenLogprobs | None]] = {}
+        self.num_cached_tokens = 0
+        self.arrival_s = arrival_of(request)
+        self.first_token_s: float | None = None
+        self._queue: asyncio.Queue[tuple[int, RequestDelta]] = asyncio.Queue()
+        self._live: set[str] = set()
+
+    def _engine_id(self, prompt_index: int) -> str:
+        return f"{self.id}-{prompt_index}"
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Generation:
+        try:
+            for p, prompt_ids in enumerate(self.prompts):
+                rid = self._engine_id(p)
+                self._live.add(rid)
+                await self.engine.add(rid, prompt_ids, self.params,
+                                      lambda delta, p=p: self._queue.put_nowait((p, delta)))
+        except BaseException as e:
+            self._abort_live()
+            raise _admission_error(e, self.metrics) from None
+        self.metrics.prompt_tokens.inc(sum(map(len, self.prompts)))
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        aborted = bool(self._live)  # the handler left before the engine finished
+        self._abort_live()
+        reason = "abort" if aborted else self.finish_reason or "abort"
+        end = time.monotonic()
+        self.metrics.requests_finished.labels(reason).inc()
+        self.metrics.e2e.observe(end - self.arrival_s)
+        if self.log_requests:
+            usage = self.usage()
+            log.info("request", id=self.id, request_id=self.request_id, model=self.model,
+                     n=self.params.n,
+                     prompt_tokens=usage.prompt_tokens,
+                     completion_tokens=usage.completion_tokens,
+                     cached_tokens=usage.prompt_tokens_details.cached_tokens,
+                     ttft_s=None if self.first_token_s is None
+                     else round(self.first_token_s - self.arrival_s, 4),
+                     duration_s=round(end - self.arrival_s, 4), finish_reason=reason,
+                     outcome=_outcome(reason, aborted or exc_type is not None))
+
+    def _abort_live(self) -> None:
+        for rid in self._live:
+            self.engine.abort(rid)
+        self._live.clear()
+
+    # -- consuming -------------------------------------------------------------------------
+
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
+        """Each engine delta, already absorbed into `choices`, until every prompt finished.
+
+        Raises ConnectionResetError once the client has gone: `serve` cancels the handler of
+        a lost connection anyway, this also covers apps run without handler cancellation.
+        """
+        while self._live:
+            p, delta = await self._queue.get()
+            transport = self._request.transport
+            if transport is None or transport.is_closing():
+                raise ConnectionResetError("the client disconnected")
+            self._absorb(p, delta)
+            yield p, delta
+
+    async def run_to_end(self) -> None:
+        async for _ in self.deltas():
+            pass
+
+    def _absorb(self, p: int, delta: RequestDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs[p] = delta.prompt_logprobs
+        self.num_cached_tokens += delta.num_cached_tokens if delta.finished else 0
+        for sd in delta.seqs:
+            choice = self.choices[(p, sd.index)]
+            if sd.token_ids:
+                if self.first_token_s is None:
+                    self.first_token_s = delta.time_s
+                    self.metrics.ttft.observe(delta.time_s - self.arrival_s)
+                elif choice.last_token_s is not None:
+                    self.metrics.inter_token.observe(delta.time_s - choice.last_token_s)
+                choice.last_token_s = delta.time_s
+                self.metrics.generation_tokens.inc(len(sd.token_ids))
+            choice.text += sd.text
+            choice.token_ids += sd.token_ids
+            choice.logprobs += sd.logprobs or ()
+            if sd.finish_reason is not None and choice.finish_reason is None:
+                choice.finish_reason, choice.stop_reason = sd.finish_reason, sd.stop_reason
+                choice.error = sd.error
+        if delta.finished:
+            self._live.discard(self._engine_id(p))
+            self.metrics.prefix_cache_hit_tokens.inc(delta.num_cached_tokens)
+            for (q, _), choice in self.choices.items():  # stopped without a word: aborted
+                if q == p and choice.finish_reason is None:
+                    choice.finish_reason = "abort"
+
+    # -- results ---------------------------------------------------------------------------
+
+    @property
+    def finish_reason(self) -> str | None:
+        reasons = [c.finish_reason for c in self.choices.values() if c.finish_reason]
+        return max(reasons, key=_SEVERITY.index) if reasons else None
+
+    def failure(self) -> APIError | None:
+        """The error to answer instead of choices, when a choice failed or was aborted."""
+        for choice in self.choices.values():
+            if choice.finish_reason == "error":
+                return APIError(500, f"generation failed: {choice.error or 'internal error'}")
+            if choice.finish_reason == "abort":
+                return APIError(503, "the request was aborted: the server is shutting down",
+                                code="aborted")
+        return None
+
+    def usage(self, *, count_completion: bool = True) -> Usage:
+        prompt = sum(map(len, self.prompts))
+        completion = (sum(len(c.token_ids) for c in self.choices.values())
+                      if count_completion else 0)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(
+                         cached_tokens=self.num_cached_tokens))
+
+
+def _outcome(reason: str, aborted: bool) -> str:
+    if reason == "error":
+        return "error"
+    return "aborted" if aborted or reason == "abort" else "ok"
+
+
+def _admission_error(e: BaseException, metrics) -> BaseException:
+    if isinstance(e, QueueFullError):
+        metrics.rejected.labels("429").inc()
+        return APIError(429, f"the server is busy ({e}); retry later", code="queue_full",
+                        headers={"Retry-After": "1"})
+    if isinstance(e, EngineStoppedError):
+        metrics.rejected.labels("503").inc()
+        return APIError(503, "the engine is not running", code="engine_stopped")
+    if isinstance(e, ValueError):
+        metrics.rejected.labels("400").inc()
+        return APIError(400, str(e))
+    return e

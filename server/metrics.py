@@ -1,0 +1,59 @@
+"""Prometheus metrics: engine gauges read at scrape time, request counters and histograms.
+
+Each application owns its own registry, so several servers in one process (tests) do not
+collide. Gauges read the `EngineStats` snapshot the engine task publishes between steps;
+they never touch the engine itself (which another thread may be stepping).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+                               Histogram, disable_created_metrics, generate_latest)
+
+from heron.core.async_engine import EngineStats
+
+disable_created_metrics()  # `*_created` series double the output and nobody reads them
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                      7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class Metrics:
+    CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.registry = r = CollectorRegistry()
+        for name, doc, field in (
+            ("heron_requests_running", "Requests with a sequence in the running batch",
+             "num_requests_running"),
+            ("heron_requests_waiting", "Requests queued, not yet running",
+             "num_requests_waiting"),
+            ("heron_kv_blocks_total", "KV blocks in the pool", "num_kv_blocks_total"),
+            ("heron_kv_blocks_in_use", "KV blocks referenced by live requests "
+             "(evictable cached blocks not counted)", "num_kv_blocks_in_use"),
+        ):
+            Gauge(name, doc, registry=r).set_function(
+                lambda field=field: getattr(stats(), field))
+        self.prompt_tokens = Counter("heron_prompt_tokens", "Prompt tokens of admitted "
+                                     "requests", registry=r)
+        self.generation_tokens = Counter("heron_generation_tokens", "Generated tokens",
+                                         registry=r)
+        self.prefix_cache_hit_tokens = Counter("heron_prefix_cache_hit_tokens",
+                                               "Prompt tokens whose KV came from the prefix "
+                                               "cache", registry=r)
+        self.requests_finished = Counter("heron_requests_finished", "Finished requests by "
+                                         "finish reason", ["finish_reason"], registry=r)
+        self.rejected = Counter("heron_requests_rejected", "Requests refused before admission "
+                                "by HTTP status", ["status"], registry=r)
+        self.ttft = Histogram("heron_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.inter_token = Histogram("heron_inter_token_latency_seconds", "Time between "
+                                     "successive tokens of a sequence",
+                                     buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.e2e = Histogram("heron_e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=_LATENCY_BUCKETS_S, registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

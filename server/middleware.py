@@ -1,0 +1,73 @@
+"""Request ids and API keys.
+
+``X-Request-Id``: a client's id is kept (bound to every log line of the request) and echoed;
+without one the server makes one. API keys: with ``server.api_keys`` set, every route but
+the open ones needs ``Authorization: Bearer <key>``; keys are compared in constant time and
+never logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import time
+import uuid
+
+import structlog
+from aiohttp import web
+
+from heron.server.errors import APIError
+
+REQUEST_ID = "X-Request-Id"
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
+_SAFE_ID = re.compile(r"[\w.:/+=-]{1,128}")  # an id that cannot forge log lines or headers
+
+_ID_KEY = web.RequestKey("request_id", str)
+_ARRIVAL_KEY = web.RequestKey("arrival_s", float)
+
+
+def request_id_of(request: web.Request) -> str | None:
+    return request.get(_ID_KEY)
+
+
+def arrival_of(request: web.Request) -> float:
+    """time.monotonic() when the request reached the app (TTFT and latency start here)."""
+    return request.get(_ARRIVAL_KEY) or time.monotonic()
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler) -> web.StreamResponse:
+    given = request.headers.get(REQUEST_ID, "")
+    request_id = given if _SAFE_ID.fullmatch(given) else uuid.uuid4().hex
+    request[_ID_KEY] = request_id
+    request[_ARRIVAL_KEY] = time.monotonic()
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    return await handler(request)
+
+
+async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: also reaches streams, whose headers leave before the handler ends."""
+    if _ID_KEY in request:
+        response.headers[REQUEST_ID] = request[_ID_KEY]
+
+
+def auth_middleware(api_keys: list[str]):
+    keys = [k.encode() for k in api_keys]
+
+    @web.middleware
+    async def check_key(request: web.Request, handler) -> web.StreamResponse:
+        if keys and request.path not in OPEN_PATHS:
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            token = given.strip().encode()
+            # NOTE: compare against every key, so the time taken says nothing about which
+            ok = False
+            for key in keys:
+                ok |= hmac.compare_digest(token, key)
+            if scheme.lower() != "bearer" or not ok:
+                raise APIError(401, "missing or invalid API key (send Authorization: Bearer "
+                               "<key>)", code="invalid_api_key",
+                               headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return check_key

@@ -1,0 +1,70 @@
+"""GET /openapi.json, generated from the msgspec request and response Structs."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+
+import msgspec
+
+from heron.server import protocol as req
+from heron.server import responses as res
+
+_REF = "#/components/schemas/{name}"
+
+# (method, path, summary, request body, response body, streams SSE)
+ROUTES = (
+    ("get", "/health", "Liveness: 200 while the engine runs", None, res.HealthResponse, False),
+    ("get", "/v1/models", "The served model", None, res.ModelList, False),
+    ("post", "/v1/completions", "Text completion", req.CompletionRequest,
+     res.CompletionResponse, True),
+    ("post", "/v1/chat/completions", "Chat completion", req.ChatCompletionRequest,
+     res.ChatCompletionResponse, True),
+    ("post", "/tokenize", "Token ids of a prompt or chat", req.TokenizeRequest,
+     res.TokenizeResponse, False),
+    ("post", "/detokenize", "Text of token ids", req.DetokenizeRequest,
+     res.DetokenizeResponse, False),
+)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("heron")
+    except importlib.metadata.PackageNotFoundError:
+        return "0"
+
+
+def _json_content(schema: dict) -> dict:
+    return {"application/json": {"schema": schema}}
+
+
+@functools.cache
+def openapi_document() -> bytes:
+    types = [t for *_, body, out, _ in ROUTES for t in (body, out) if t is not None]
+    types += [res.ChatCompletionChunk, res.ErrorResponse]
+    schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
+    by_type = dict(zip(types, schemas))
+    error = {"description": "error", "content": _json_content(by_type[res.ErrorResponse])}
+    paths: dict[str, dict] = {}
+    for method, path, summary, body, out, streams in ROUTES:
+        content = _json_content(by_type[out])
+        if streams:
+            content["text/event-stream"] = {"schema": {"type": "string", "description":
+                "`data: <chunk JSON>` events (ChatCompletionChunk / CompletionResponse), "
+                "then `data: [DONE]`"}}
+        op: dict = {"summary": summary,
+                    "responses": {"200": {"description": "success", "content": content},
+                                  "default": error}}
+        if body is not None:
+            op["requestBody"] = {"required": True, "content": _json_content(by_type[body])}
+        paths.setdefault(path, {})[method] = op
+    paths["/metrics"] = {"get": {"summary": "Prometheus metrics", "responses": {
+        "200": {"description": "text exposition format",
+                "content": {"text/plain": {"schema": {"type": "string"}}}}}}}
+    doc = {"openapi": "3.1.0",
+           "info": {"title": "heron", "version": _version(),
+                    "description": "OpenAI-compatible LLM server"},
+           "paths": paths, "components": {"schemas": components,
+                                          "securitySchemes": {"bearer": {"type": "http",
+                                                                         "scheme": "bearer"}}}}
+    return msgspec.json.encode(doc)

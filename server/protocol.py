@@ -1,0 +1,167 @@
+"""OpenAI (and vLLM) request bodies as msgspec Structs: decoding a body validates it.
+
+Unknown fields are refused (a misspelt option must not be silently ignored). Fields that
+clients commonly send and that change nothing here (``user``, ``metadata``, ``store``...)
+are accepted and ignored. Fields that would change the answer but are not implemented
+(``suffix``, ``tools``, ``logit_bias``...) are declared only so that `unsupported_field`
+can refuse them by name.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta, Struct
+
+MAX_LOGPROBS = 20
+MAX_N = 128
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+
+
+class _Body(Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class StreamOptions(_Body, kw_only=True):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body, kw_only=True):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
+    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extra sampling fields
+    top_k: Annotated[int, Meta(ge=-1)] = 0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
+    min_tokens: NonNegInt = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[NonNegInt] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
+    # accepted and ignored: they do not change the output
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # refused by name unless empty (see `unsupported_field`)
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+    def unsupported_field(self) -> str | None:
+        """The first field set to something this server does not implement, or None."""
+        if self.logit_bias:
+            return "logit_bias"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of"
+        return None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    """``prompt``: a string, a list of strings, a list of token ids or a list of such lists
+    (checked by the handler: msgspec unions hold one array type at most)."""
+
+    prompt: str | list[Any]
+    max_tokens: NonNegInt | None = 16
+    echo: bool = False
+    logprobs: NumLogprobs | None = None
+    suffix: str | None = None
+
+    def unsupported_field(self) -> str | None:
+        return "suffix" if self.suffix else super().unsupported_field()
+
+
+class ContentPart(_Body, kw_only=True):
+    """One part of a message's content; only ``type == "text"`` is served."""
+
+    type: str
+    text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+
+
+class ChatMessage(_Body, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    refusal: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any = None
+
+
+class ResponseFormat(_Body, kw_only=True):
+    type: str
+    json_schema: Any = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: NumLogprobs | None = None
+    # vLLM extras for the chat template
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    # harmless without tools
+    parallel_tool_calls: bool | None = None
+    # refused by name unless empty or the default (see `unsupported_field`)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: ResponseFormat | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+
+    def unsupported_field(self) -> str | None:
+        for name in ("tools", "functions", "function_call", "audio", "prediction"):
+            if getattr(self, name):
+                return name
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice"
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        if self.modalities is not None and self.modalities != ["text"]:
+            return "modalities"
+        for i, message in enumerate(self.messages):
+            if message.role in ("tool", "function"):
+                return f"messages[{i}].role"
+            if message.tool_calls or message.tool_call_id or message.function_call:
+                return f"messages[{i}].tool_calls"
+            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                if part.type != "text" or part.text is None:
+                    return f"messages[{i}].content[{j}].type"
+        return super().unsupported_field()
+
+
+class TokenizeRequest(_Body, kw_only=True):
+    """vLLM's /tokenize: either ``prompt`` or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body, kw_only=True):
+    model: str | None = None
+    tokens: list[NonNegInt]

@@ -1,0 +1,161 @@
+"""OpenAI response bodies as msgspec Structs (the shapes the official client parses)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+from msgspec import UNSET, Struct, UnsetType
+
+
+class _Out(Struct, kw_only=True):
+    pass
+
+
+class PromptTokensDetails(_Out, kw_only=True):
+    cached_tokens: int = 0
+
+
+class Usage(_Out, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+# -- /v1/completions ---------------------------------------------------------------------
+
+class CompletionLogprobs(_Out, kw_only=True):
+    """Parallel lists, one entry per token; the first prompt token (with ``echo``) has None."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(_Out, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Out, kw_only=True):
+    """Also each streamed chunk: same object name, ``text`` is then the new text."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# -- /v1/chat/completions ----------------------------------------------------------------
+
+class TopLogprob(_Out, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(_Out, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(_Out, kw_only=True):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatMessageOut(_Out, kw_only=True):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Out, kw_only=True):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Out, kw_only=True):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(_Out, kw_only=True, omit_defaults=True):
+    role: Literal["assistant"] | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatChunkChoice(_Out, kw_only=True):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Out, kw_only=True):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# -- other routes ------------------------------------------------------------------------
+
+class ModelCard(_Out, kw_only=True):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "heron"
+    root: str
+    max_model_len: int
+
+
+class ModelList(_Out, kw_only=True):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Out, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Out, kw_only=True):
+    prompt: str
+
+
+class HealthResponse(_Out, kw_only=True):
+    status: Literal["ok"] = "ok"
+
+
+class ErrorInfo(_Out, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Out, kw_only=True):
+    error: ErrorInfo
+
+
+def encode(body: Struct) -> bytes:
+    return msgspec.json.encode(body)

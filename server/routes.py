@@ -1,0 +1,21 @@
+"""Every route of the server, on one screen."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from heron.server.chat import create_chat_completion
+from heron.server.completions import create_completion
+from heron.server.info import health, list_models, metrics, openapi
+from heron.server.tokenize import detokenize, tokenize
+
+
+def setup_routes(app: web.Application) -> None:
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/completions", create_completion)
+    app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)

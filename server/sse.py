@@ -1,0 +1,53 @@
+"""Server-sent events in the OpenAI streaming format: ``data: <json>`` events, ``[DONE]``.
+
+A stream that fails after it started cannot change its status code any more, so it ends
+with an ``{"error": {...}}`` event (which the openai client raises as an APIError), then
+``[DONE]``: never a silent cut.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from heron.server.errors import APIError
+
+_DONE = b"data: [DONE]\n\n"
+
+log = structlog.get_logger("heron.server")
+
+
+class EventStream:
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",  # proxies must not hold events back
+        })
+
+    async def start(self) -> None:
+        await self.response.prepare(self.request)
+
+    async def send(self, body: msgspec.Struct) -> None:
+        """Raises ConnectionResetError once the client has gone."""
+        await self.response.write(b"data: " + msgspec.json.encode(body) + b"\n\n")
+
+    async def fail(self, error: APIError) -> None:
+        await self.send(error.body())
+        await self.finish()
+
+    async def finish(self) -> None:
+        await self.response.write(_DONE)
+        await self.response.write_eof()
+
+    async def fail_after_error(self, e: Exception) -> None:
+        """End the stream after an exception in its handler (APIErrors are sent as they are)."""
+        if not isinstance(e, APIError):
+            log.exception("stream failed", path=self.request.path)
+            e = APIError(500, "internal server error")
+        try:
+            await self.fail(e)
+        except ConnectionResetError:
+            pass

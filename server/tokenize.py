@@ -1,0 +1,40 @@
+"""vLLM's POST /tokenize and POST /detokenize."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from heron.server.admission import chat_prompt, check_model, tokenizer_of
+from heron.server.appkeys import ASYNC_ENGINE
+from heron.server.errors import bad_request, decode_body
+from heron.server.protocol import DetokenizeRequest, TokenizeRequest
+from heron.server.responses import DetokenizeResponse, TokenizeResponse, encode
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """Token ids of ``prompt``, or of ``messages`` through the chat template (exactly one)."""
+    req = await decode_body(request, TokenizeRequest)
+    check_model(request.app, req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("send exactly one of `prompt` and `messages`", param="prompt")
+    if req.prompt is not None:
+        tokens = tokenizer_of(request.app).encode(req.prompt,
+                                                  add_special_tokens=req.add_special_tokens)
+    else:
+        tokens = chat_prompt(request.app, req.messages,
+                             add_generation_prompt=req.add_generation_prompt)
+    body = TokenizeResponse(count=len(tokens), tokens=tokens,
+                            max_model_len=request.app[ASYNC_ENGINE].engine.max_model_len)
+    return web.Response(body=encode(body), content_type="application/json")
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    req = await decode_body(request, DetokenizeRequest)
+    check_model(request.app, req.model)
+    tokenizer = tokenizer_of(request.app)
+    vocab = request.app[ASYNC_ENGINE].engine.runner.info.vocab_size
+    if (bad := next((t for t in req.tokens if t >= vocab), None)) is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                          param="tokens")
+    body = DetokenizeResponse(prompt=tokenizer.decode(req.tokens, skip_special_tokens=False))
+    return web.Response(body=encode(body), content_type="application/json")

@@ -1,0 +1,145 @@
+"""The ``heron`` command line: help, `heron config`, start-up rejections, and a real `serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from heron.core.config import load_config
+from heron.server.cli import build_parser, main
+from tests.tiny_models import build_tiny
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+HERON = Path(sys.executable).with_name("heron")
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse's --help and usage errors
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_help_lists_every_command_and_option(capsys):
+    code, out, _ = run_main(capsys, "--help")
+    assert code == 0
+    for command in ("serve", "config", "plugins", "generate", "kernels", "fetch-model"):
+        assert command in out
+    code, out, _ = run_main(capsys, "serve", "--help")
+    assert code == 0
+    for option in ("model", "--config", "--set", "--host", "--port"):
+        assert option in out
+
+
+def test_config_prints_the_effective_config_as_toml(capsys, tmp_path):
+    overrides = ["engine.num_kv_blocks=64", "server.host=0.0.0.0", "logging.format=json"]
+    argv = ["config", "--config", str(CONF / "test.toml")]
+    for item in overrides:
+        argv += ["--set", item]
+    code, out, _ = run_main(capsys, *argv, "/models/m.gguf")
+    assert code == 0
+    printed = tmp_path / "printed.toml"
+    printed.write_text(out)
+    tomllib.loads(out)
+    expected = load_config(CONF / "test.toml", overrides + ["model.path=/models/m.gguf"])
+    assert load_config(printed) == expected
+    assert expected.server.host == "0.0.0.0" and expected.engine.num_kv_blocks == 64
+
+
+def test_config_hides_api_keys_and_reads_them_from_the_environment(capsys, monkeypatch):
+    monkeypatch.setenv("HERON_API_KEYS", "sk-env-1, sk-env-2")
+    code, out, _ = run_main(capsys, "config", "--set", 'server.api_keys=["sk-file"]')
+    assert code == 0 and "sk-" not in out and "# api_keys = (3 hidden)" in out
+
+
+@pytest.mark.parametrize("text, key, reason", [
+    ("[server]\nprot = 8000\n", "prot", "unknown field"),
+    ("[server]\nport = \"eighty\"\n", "port", "Expected `int`"),
+    ("[server]\nport = 70000\n", "port", "must be in 0..65535"),
+    ("[server]\nmax_waiting_requests = 0\n", "max_waiting_requests", "must be >= 1"),
+    ("[server]\nmax_body_bytes = 10\n", "max_body_bytes", "must be >= 1024"),
+    ("[server]\napi_keys = \"sk-one\"\n", "api_keys", "Expected `array`"),
+    ("[server]\napi_keys = [\"\"]\n", "api_keys", "must not contain an empty key"),
+    ("[logging]\nlevel = \"loud\"\n", "level", "Invalid enum value"),
+    ("[logging]\nlog_requests = \"yes\"\n", "log_requests", "Expected `bool`"),
+    ("[engine]\nblock_size = 0\n", "block_size", "must be in 1..1024"),
+    ("[serve]\nport = 1\n", "serve", "unknown field"),
+])
+def test_serve_rejects_bad_config_with_exit_2(capsys, tmp_path, text, key, reason):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    code, _, err = run_main(capsys, "serve", "--config", str(path))
+    assert code == 2
+    assert str(path) in err and key in err and reason in err
+
+
+def test_serve_rejects_bad_overrides_and_missing_models(capsys, tmp_path):
+    code, _, err = run_main(capsys, "serve", "--set", "server.port=-1")
+    assert code == 2 and "port" in err
+    code, _, err = run_main(capsys, "serve", str(tmp_path / "missing.gguf"))
+    assert code == 2 and "missing.gguf" in err
+    code, _, err = run_main(capsys, "serve", "--port", "nope")
+    assert code == 2 and "--port" in err
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_heron_serve_runs_until_interrupted(tmp_path):
+    model = tmp_path / "tiny"
+    build_tiny("llama", model)
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(HERON), "serve", str(model), "--config", str(CONF / "test.toml"),
+         "--port", str(port), "--set", "server.served_model_name=tiny"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "HERON_API_KEYS": ""})
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.communicate()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "heron serve did not come up"
+            time.sleep(0.25)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               max_retries=0)
+        out = client.chat.completions.create(model="tiny", max_tokens=5,
+                                             messages=[{"role": "user", "content": "Hi"}])
+        assert out.usage.completion_tokens <= 5
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    request = next(line for line in lines if line["event"] == "request")
+    assert request["model"] == "tiny" and request["completion_tokens"] == out.usage.completion_tokens
+    assert request["prompt_tokens"] == out.usage.prompt_tokens and request["level"] == "info"
+
+
+def test_parser_builds_without_loading_the_server():
+    code = ("import sys; from heron.server.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('aiohttp', 'transformers', 'openai') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    assert build_parser().prog == "heron"

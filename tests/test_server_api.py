@@ -1,0 +1,236 @@
+"""Every endpoint through a real server and the official `openai` client, on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import structlog
+
+from heron.core.engine import Engine
+from tests.server_utils import ServerThread, server_config
+from tests.tiny_models import build_tiny
+
+PROMPT = "The quick brown fox"
+GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-api")
+    build_tiny("llama", path, std=0.15)
+    config = server_config(path, **{"server.served_model_name": "tiny"})
+    with ServerThread(config, Engine(config)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(server):
+    return server.async_engine.engine.tokenizer
+
+
+def extra(**kw):
+    """vLLM's sampling fields travel in ``extra_body`` with the openai client."""
+    return {"extra_body": kw}
+
+
+def completion(client, **kw):
+    args = {"model": "tiny", "prompt": PROMPT, "temperature": 0.0, "max_tokens": 12,
+            "extra_body": {"ignore_eos": True}, **kw}
+    return client.completions.create(**args)
+
+
+def test_models_health_openapi(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"] and models[0].object == "model"
+    assert server.http("GET", "/health")[:1] == (200,)
+    status, _, body = server.http("GET", "/openapi.json")
+    doc = json.loads(body)
+    assert status == 200 and doc["openapi"].startswith("3.")
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+            "/v1/models", "/health", "/metrics"} <= set(doc["paths"])
+    schema = doc["components"]["schemas"]["CompletionRequest"]
+    assert {"prompt", "max_tokens", "logprobs", "echo", "top_k", "min_p"} <= set(schema["properties"])
+
+
+def test_completion_prompt_forms_and_usage(client, tokenizer):
+    ids = tokenizer.encode(PROMPT)
+    single = completion(client)
+    assert single.object == "text_completion" and single.choices[0].finish_reason == "length"
+    assert single.usage.prompt_tokens == len(ids)
+    assert single.usage.completion_tokens == 12
+    assert single.usage.total_tokens == len(ids) + 12
+    assert single.usage.prompt_tokens_details.cached_tokens == 0
+    # token ids, a list of strings and a list of token-id lists give the same text
+    assert completion(client, prompt=ids).choices[0].text == single.choices[0].text
+    many = completion(client, prompt=[PROMPT, "def add"])
+    assert [c.index for c in many.choices] == [0, 1]
+    assert many.choices[0].text == single.choices[0].text
+    assert many.usage.prompt_tokens == len(ids) + len(tokenizer.encode("def add"))
+    by_ids = completion(client, prompt=[ids, tokenizer.encode("def add")])
+    assert [c.text for c in by_ids.choices] == [c.text for c in many.choices]
+
+
+def test_completion_n_seed_and_sampling_fields(client):
+    kw = dict(temperature=1.0, n=3, seed=7, max_tokens=10, extra_body={"ignore_eos": True})
+    first, again = completion(client, **kw), completion(client, **kw)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in first.choices}) > 1
+    assert first.usage.completion_tokens == 30
+    vllm = completion(client, temperature=0.8, seed=1, max_tokens=8,
+                      extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2,
+                                  "min_tokens": 8, "ignore_eos": True})
+    assert vllm.usage.completion_tokens == 8
+
+
+def test_completion_stop_and_stop_token_ids(client, tokenizer):
+    full = completion(client, logprobs=0, max_tokens=16)
+    text = full.choices[0].text
+    stop = text[4:6]
+    cut = completion(client, stop=[stop], max_tokens=16).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]
+    assert cut.stop_reason == stop
+    as_ids = completion(client, logprobs=0, max_tokens=16,
+                        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    generated = [int(t.removeprefix("token_id:")) for t in as_ids.choices[0].logprobs.tokens]
+    assert tokenizer.decode(generated) == text
+    stop_id = generated[2]
+    by_id = completion(client, max_tokens=16, extra_body={"ignore_eos": True,
+                                                          "stop_token_ids": [stop_id]})
+    assert by_id.choices[0].finish_reason == "stop" and by_id.usage.completion_tokens <= 3
+
+
+def test_completion_logprobs_and_echo(client, tokenizer):
+    ids = tokenizer.encode(PROMPT)
+    out = completion(client, logprobs=3, echo=True).choices[0]
+    lp = out.logprobs
+    assert len(lp.tokens) == len(ids) + 12 == len(lp.token_logprobs) == len(lp.text_offset)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+    assert out.text.startswith(PROMPT)
+    assert out.text == PROMPT + completion(client).choices[0].text
+    assert lp.text_offset == sorted(lp.text_offset)
+    # max_tokens 0 with echo scores the prompt only
+    scored = completion(client, logprobs=1, echo=True, max_tokens=0)
+    assert scored.choices[0].text == PROMPT and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(ids)]
+
+
+def test_completion_streaming_matches_whole(client):
+    whole = completion(client, logprobs=1)
+    chunks = list(completion(client, logprobs=1, stream=True,
+                             stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs
+              for t in c.choices[0].logprobs.tokens]
+    assert tokens == whole.choices[0].logprobs.tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    # several prompts and n > 1 interleave by index
+    many = list(completion(client, prompt=[PROMPT, "def add"], n=2, stream=True,
+                           temperature=1.0, seed=3))
+    texts = {}
+    for chunk in many:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert sorted(texts) == [0, 1, 2, 3]
+
+
+def chat(client, **kw):
+    args = {"model": "tiny", "messages": [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Hello"}],
+            "temperature": 0.0, "max_tokens": 12, "extra_body": {"ignore_eos": True}, **kw}
+    return client.chat.completions.create(**args)
+
+
+def test_chat_template_usage_and_content_parts(client, tokenizer):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hello"},
+                {"role": "assistant", "content": "Hi."},
+                {"role": "user", "content": [{"type": "text", "text": "More"}]}]
+    out = chat(client, messages=messages)
+    expected = tokenizer.apply_chat_template(
+        [{**m, "content": m["content"] if isinstance(m["content"], str) else "More"}
+         for m in messages], tokenize=True)
+    assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+    assert out.usage.prompt_tokens == len(expected)
+    assert out.usage.completion_tokens == 12 and out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+    limited = chat(client, max_completion_tokens=5)
+    assert limited.usage.completion_tokens == 5
+
+
+def test_chat_logprobs_n_stop_seed(client):
+    out = chat(client, logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert len(content) == 12 and all(len(t.top_logprobs) == 2 for t in content)
+    assert "".join(t.token for t in content).startswith(out.choices[0].message.content[:1])
+    sampled = dict(temperature=1.0, n=2, seed=11)
+    a, b = chat(client, **sampled), chat(client, **sampled)
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    text = chat(client).choices[0].message.content
+    stopped = chat(client, stop=text[3:5]).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.message.content == text[:text.index(text[3:5])]
+
+
+def test_chat_streaming_matches_whole(client):
+    whole = chat(client, logprobs=True)
+    chunks = list(chat(client, logprobs=True, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    tokens = [t.token for c in chunks if c.choices and c.choices[0].logprobs
+              for t in c.choices[0].logprobs.content]
+    assert tokens == [t.token for t in whole.choices[0].logprobs.content]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+
+
+def test_tokenize_detokenize(server, tokenizer):
+    status, _, body = server.http("POST", "/tokenize", {"model": "tiny", "prompt": PROMPT})
+    tokens = json.loads(body)
+    assert status == 200 and tokens["tokens"] == tokenizer.encode(PROMPT)
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 512
+    messages = [{"role": "user", "content": "Hello"}]
+    _, _, body = server.http("POST", "/tokenize", {"messages": messages})
+    assert json.loads(body)["tokens"] == tokenizer.apply_chat_template(messages, tokenize=True)
+    status, _, body = server.http("POST", "/detokenize", {"tokens": tokens["tokens"]})
+    assert status == 200 and json.loads(body)["prompt"] == PROMPT
+
+
+def test_request_id_is_echoed_and_logged(server, client):
+    with structlog.testing.capture_logs() as logs:
+        raw = client.completions.with_raw_response.create(
+            model="tiny", prompt=PROMPT, max_tokens=3, extra_headers={"X-Request-Id": "abc-123"})
+    assert raw.headers["x-request-id"] == "abc-123"
+    line = next(e for e in logs if e["event"] == "request")
+    assert line["request_id"] == "abc-123" and line["model"] == "tiny"
+    assert line["prompt_tokens"] == raw.parse().usage.prompt_tokens
+    assert line["completion_tokens"] == raw.parse().usage.completion_tokens
+    assert {"cached_tokens", "ttft_s", "duration_s", "finish_reason"} <= set(line)
+    status, headers, _ = server.http("GET", "/health")
+    assert headers["X-Request-Id"]  # made up when the client sent none
+
+
+def test_metrics_count_tokens_and_return_to_idle(server, client):
+    before = server.metrics()
+    out = completion(client, max_tokens=5)
+    after = server.wait_for(lambda m: m["heron_requests_running"] == 0)
+    assert after["heron_generation_tokens_total"] - before["heron_generation_tokens_total"] == 5
+    assert (after["heron_prompt_tokens_total"] - before["heron_prompt_tokens_total"]
+            == out.usage.prompt_tokens)
+    assert after["heron_kv_blocks_in_use"] == 0 and after["heron_requests_waiting"] == 0
+    assert after["heron_kv_blocks_total"] == 256
+    assert after["heron_prefix_cache_hit_tokens_total"] == 0
+    for name in ("heron_time_to_first_token_seconds", "heron_inter_token_latency_seconds",
+                 "heron_e2e_request_latency_seconds"):
+        assert after[f"{name}_count"] > before.get(f"{name}_count", 0)
