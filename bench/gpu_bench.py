@@ -3,8 +3,12 @@
 Sections (``--only a,b``; default all): ``env``, ``bandwidth`` (device-to-device copy,
 GB/s), ``matmul`` (bf16 8192^3, TFLOP/s), ``ops`` (norm / activation / rotary / KV write
 vs their torch references), ``decode`` (paged decode attention at batch 1/16/64/256, 1k
-context, Llama-3-8B shapes, vs torch SDPA on contiguous K/V and vs the HBM roofline),
-``prefill`` (a 4k prompt vs SDPA causal). A section that fails is recorded with its error
+context, and batch 16 at 4k, Llama-3-8B shapes, default plan, vs torch SDPA on contiguous
+K/V and vs the HBM roofline), ``prefill`` (the
+CUDA-core and tensor-core prefill kernels, and the tensor-core tiles, vs SDPA), ``decode_sweep``
+(the decode kernel's tuning knobs, `plan.DecodeConfig`, at the same shapes: every kernel
+variant x partition size, and the first kernel as a baseline; run last, so that a variant
+that faults cannot take the other sections with it). A section that fails is recorded with its error
 and the rest still run. Writes ``gpu_bench.json`` and ``gpu_bench.md`` to ``--out``
 (default ``$OUT``, else bench/results/).
 
@@ -30,6 +34,8 @@ import torch
 import torch.nn.functional as F
 
 GRAPH_CALLS = 20
+#: Where the decode sections allocate (a CPU dry run of their plumbing can point it at "cpu").
+DECODE_DEVICE = "cuda"
 LLAMA = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, hidden=4096,
              intermediate=14336)
 
@@ -144,83 +150,473 @@ def section_ops(args) -> dict:
     return results
 
 
-def _paged_kv(num_seqs: int, context: int, dtype=torch.bfloat16):
-    """A shuffled paged cache holding ``num_seqs`` contexts, and its metadata for decode."""
+def _paged_kv(num_seqs: int, context: int, dtype=torch.bfloat16, sets: int = 1):
+    """A shuffled paged cache holding ``sets`` x ``num_seqs`` contexts, and one decode
+    metadata per set (disjoint blocks): rotating among sets keeps small batches out of L2."""
     from heron.core.batch import AttentionMetadata
 
     bs, hkv, d = LLAMA["block_size"], LLAMA["num_kv_heads"], LLAMA["head_dim"]
     per_seq = -(-context // bs)
-    num_blocks = num_seqs * per_seq + 1
-    kv = torch.randn(2, num_blocks, bs, hkv, d, device="cuda", dtype=dtype)
-    tables = (1 + torch.randperm(num_blocks - 1, device="cuda")).view(num_seqs, per_seq).int()
-    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device="cuda")
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(num_seqs, dtype=torch.int64, device="cuda"),
-        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda"),
-        seq_lens=seq_lens, block_tables=tables, query_lens_list=[1] * num_seqs,
-        seq_lens_list=[context] * num_seqs, max_query_len=1, max_seq_len=context, block_size=bs)
-    return kv, meta
+    num_blocks = sets * num_seqs * per_seq + 1
+    kv = torch.randn(2, num_blocks, bs, hkv, d, device=DECODE_DEVICE, dtype=dtype)
+    ids = (1 + torch.randperm(num_blocks - 1, device=DECODE_DEVICE)).view(sets, num_seqs, per_seq).int()
+    metas = []
+    for tables in ids:
+        metas.append(AttentionMetadata(
+            slot_mapping=torch.zeros(num_seqs, dtype=torch.int64, device=DECODE_DEVICE),
+            query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=DECODE_DEVICE),
+            seq_lens=torch.full((num_seqs,), context, dtype=torch.int32, device=DECODE_DEVICE),
+            block_tables=tables.contiguous(), query_lens_list=[1] * num_seqs,
+            seq_lens_list=[context] * num_seqs, max_query_len=1, max_seq_len=context,
+            block_size=bs))
+    return kv, metas
+
+
+#: (batch, context) of the decode measurements, Llama-3-8B attention shapes.
+DECODE_SHAPES = ((1, 1024), (16, 1024), (64, 1024), (256, 1024), (16, 4096))
+#: Rotate among enough KV sets that one graph replay streams at least this many bytes (L2 is
+#: 50 MB on H100/H200): a real decode step reads each layer's KV after the other layers'.
+DECODE_ROTATE_BYTES = 160 << 20
+
+
+def _decode_setup(batch: int, context: int):
+    """KV sets, a query, the SDPA reference output (set 0) and the KV bytes of one call."""
+    hq, hkv, d = LLAMA["num_q_heads"], LLAMA["num_kv_heads"], LLAMA["head_dim"]
+    kv_bytes = 2 * batch * context * hkv * d * 2
+    sets = max(1, min(GRAPH_CALLS, -(-DECODE_ROTATE_BYTES // kv_bytes)))
+    kv, metas = _paged_kv(batch, context, sets=sets)
+    q = torch.randn(batch, hq, d, device=DECODE_DEVICE, dtype=torch.bfloat16)
+    tables = metas[0].block_tables.long()
+    k = kv[0][tables].view(batch, -1, hkv, d)[:, :context].transpose(1, 2).contiguous()
+    v = kv[1][tables].view(batch, -1, hkv, d)[:, :context].transpose(1, 2).contiguous()
+    return kv, metas, q, (k, v), kv_bytes
+
+
+def time_graph_rotating(fns: list[Callable[[], object]], reps: int = 20) -> float:
+    """Like `time_graph`, the GRAPH_CALLS calls of the graph cycling through ``fns``."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fns[0]()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(GRAPH_CALLS):
+            fns[i % len(fns)]()
+    ms = time_eager(graph.replay, warmup=2, reps=reps) / GRAPH_CALLS
+    del graph
+    return ms
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
 
 
 def section_decode(args, bandwidth_gbps: float | None) -> dict:
+    """The default plan at each of DECODE_SHAPES (the numbers the engine gets)."""
     from heron.core.ops import cuda as cuda_ops
+    from heron.core.ops.cuda import plan
 
     hq, hkv, d = LLAMA["num_q_heads"], LLAMA["num_kv_heads"], LLAMA["head_dim"]
-    context, scale = 1024, d ** -0.5
+    scale = d ** -0.5
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = {}
-    for batch in (1, 16, 64, 256):
-        kv, meta = _paged_kv(batch, context)
-        q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
-        heron = time_kernel(lambda: cuda_ops.paged_attention(q, kv[0], kv[1], meta, scale))
-        # torch reference: SDPA over the same K/V gathered into contiguous [B, Hkv, L, D].
-        k = kv[0][meta.block_tables.long()].view(batch, -1, hkv, d)[:, :context].transpose(1, 2).contiguous()
-        v = kv[1][meta.block_tables.long()].view(batch, -1, hkv, d)[:, :context].transpose(1, 2).contiguous()
+    for batch, context in DECODE_SHAPES:
+        kv, metas, q, (k, v), kv_bytes = _decode_setup(batch, context)
+        fns = [lambda m=m: cuda_ops.paged_attention(q, kv[0], kv[1], m, scale) for m in metas]
+        heron = {"eager_ms": time_eager(fns[0]), "gpu_ms": time_graph_rotating(fns)}
         q4 = q.unsqueeze(2)
-        sdpa = time_kernel(lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True))
-        kv_bytes = 2 * batch * context * hkv * d * 2
-        row = {"heron": heron, "sdpa_contiguous": sdpa, "kv_bytes": kv_bytes,
+        sdpa_fn = lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)  # noqa: E731
+        sdpa = time_kernel(sdpa_fn)
+        p = plan.plan_decode(batch, hkv, context, sms, hq // hkv, d, 2)
+        row = {"heron": heron, "sdpa_contiguous": sdpa, "kv_bytes": kv_bytes, "kv_sets": len(metas),
+               "plan": {"partition_size": p.partition_size, "splits": p.max_splits, **p.defines},
+               "rel_err_vs_sdpa": _rel_err(fns[0](), sdpa_fn().squeeze(2)),
                "heron_gbps": kv_bytes / heron["gpu_ms"] / 1e6}
         if bandwidth_gbps:
             roofline_ms = kv_bytes / bandwidth_gbps / 1e6
             row["roofline_ms"] = roofline_ms
             row["x_roofline"] = heron["gpu_ms"] / roofline_ms
-        results[f"batch {batch}"] = row
-        del kv, k, v
+        results[f"batch {batch}" if context == 1024 else f"batch {batch} ctx {context}"] = row
+        del kv, metas, k, v
+        torch.cuda.empty_cache()
     return results
 
 
-def section_prefill(args) -> dict:
-    from heron.core.batch import AttentionMetadata
+# ---------------------------------------------------------------------------- decode sweep
+
+#: Compile-time variants of attention_decode.cu swept (plan.DecodeConfig fields); each is
+#: crossed with every partition size of DECODE_PARTITIONS and with the plan's own choice at
+#: each of DECODE_CTAS_PER_SM.
+DECODE_VARIANTS = {  # most important first: a sweep over its time budget drops the tail
+    "mma": dict(kernel="mma"),
+    "fma": dict(kernel="fma"),
+    "mma-w8": dict(kernel="mma", warps=8),
+    "mma-w2": dict(kernel="mma", warps=2),
+    "mma-prefetch": dict(kernel="mma", prefetch=True),
+    "mma-minblocks3": dict(kernel="mma", min_blocks=3),
+    "mma-u2": dict(kernel="mma", unroll=2),
+    "fma-u2": dict(kernel="fma", unroll=2),
+    "fma-prefetch": dict(kernel="fma", prefetch=True),
+    "fma-u8": dict(kernel="fma", unroll=8),
+    "fma-lanes8-u2": dict(kernel="fma", key_lanes=8, unroll=2),
+}
+#: Forced partition sizes (keys per CTA) per (batch, context).
+DECODE_PARTITIONS = {
+    (1, 1024): (16, 32, 64, 128, 256),
+    (16, 1024): (64, 128, 256, 512, 1024),
+    (64, 1024): (128, 256, 512, 1024),
+    (256, 1024): (256, 512, 1024),
+    (16, 4096): (256, 512, 1024, 2048, 4096),
+}
+DECODE_CTAS_PER_SM = (1, 2, 4, 8)
+#: A variant whose output is further than this from SDPA's (relative norm) is flagged wrong.
+DECODE_ERR_LIMIT = 2e-2
+#: Seconds the sweep may take, compiles included ($HERON_SWEEP_BUDGET_S overrides); past it
+#: the remaining timings are skipped (marked), so the results are still written.
+DECODE_SWEEP_BUDGET_S = 50.0
+
+
+def _precompile_decode(configs: list[dict]) -> dict:
+    """Compile every decode variant in parallel threads (NVRTC releases the GIL) into cupy's
+    disk cache, with the very text and options `heron.core.kernels.get_kernel` uses, so the
+    sweep's first launches only load. {variant name: error} for those that failed (the sweep
+    still tries them: a failure here may be the threads', not the variant's)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import cupy
+
+    from heron.core.kernels import compile_options, load_source
+    from heron.core.ops.cuda import plan
+    from heron.core.ops.cuda.launch import KERNEL_DIR
+
+    text = load_source(KERNEL_DIR / "attention_decode.cu")
+    base = {"HERON_DTYPE": 2, "HEAD_DIM": LLAMA["head_dim"], "BLOCK_SIZE": LLAMA["block_size"],
+            "GROUP_SIZE": LLAMA["num_q_heads"] // LLAMA["num_kv_heads"]}
+
+    def build(item):
+        name, config = item
+        p = plan.plan_decode(1, 8, 1024, 132, base["GROUP_SIZE"], base["HEAD_DIM"], 2,
+                             plan.DecodeConfig(**config))
+        try:
+            module = cupy.RawModule(code=text, options=compile_options({**base, **p.defines}))
+            module.get_function("paged_decode_kernel")
+            return name, None
+        except Exception as exc:  # the sweep reports it per variant
+            return name, f"{type(exc).__name__}: {exc}"[-1500:]
+
+    with ThreadPoolExecutor(max_workers=min(16, len(configs))) as pool:
+        return {n: e for n, e in pool.map(build, configs) if e}
+
+
+def _decode_v1(q, kv, meta, scale, sms):
+    """The first decode kernel (bench/decode_v1) with its own plan: 2 CTAs per SM, partitions
+    a power of two in 64..512, PARTITION_MAX 512, 128 threads."""
+    import math
+
+    from heron.core.ops.cuda.launch import f32, i32, i64, launch
+
+    path = str(Path(__file__).resolve().parent / "decode_v1" / "attention_decode_v1.cu")
+    num_seqs, hq, d = q.shape
+    hkv = kv.shape[3]
+    ctx = meta.max_seq_len
+    splits_wanted = max(1, math.ceil(2 * sms / (num_seqs * hkv)))
+    size = 1 << max(0, math.ceil(ctx / splits_wanted) - 1).bit_length()
+    size = min(max(size, 64), 512)
+    splits = math.ceil(ctx / size)
+    defines = {"HERON_DTYPE": 2, "HEAD_DIM": d, "GROUP_SIZE": hq // hkv,
+               "BLOCK_SIZE": kv.shape[2], "PARTITION_MAX": 512}
+    out = torch.empty_like(q)
+    po = torch.empty((num_seqs, hq, splits, d), dtype=torch.float32, device=q.device)
+    pm = torch.empty((num_seqs, hq, splits), dtype=torch.float32, device=q.device)
+    ps = torch.empty_like(pm)
+    k_cache, v_cache = kv[0], kv[1]
+    strides = [i64(x) for x in k_cache.stride()[:3]]
+    launch(path, "paged_decode_kernel", defines, (splits, hkv, num_seqs), (128, 1, 1),
+           (out, po, pm, ps, q, k_cache, v_cache, *strides, meta.block_tables,
+            i64(meta.block_tables.stride(0)), meta.seq_lens, i32(hq), i32(size),
+            f32(scale * math.log2(math.e))), device=q.device)
+    if splits > 1:
+        launch(path, "paged_decode_reduce_kernel", defines, (hq, num_seqs, 1), (128, 1, 1),
+               (out, po, pm, ps, meta.seq_lens, i32(hq), i32(splits), i32(size)), device=q.device)
+    return out
+
+
+def section_decode_sweep(args, bandwidth_gbps: float | None) -> dict:
+    """Every DECODE_VARIANTS kernel x partition size (forced, and the plan's choice at each
+    DECODE_CTAS_PER_SM) at each of DECODE_SHAPES: GPU µs (CUDA-graph replay, KV sets rotated
+    past L2), KV GB/s, x roofline, error vs SDPA. Compiles happen first, outside timing.
+    Variants run in DECODE_VARIANTS order over all shapes (all KV resident: ~2 GB), so a
+    sweep cut short by its budget loses the least important variants."""
     from heron.core.ops import cuda as cuda_ops
+    from heron.core.ops.cuda import plan
+
+    hq, hkv, d = LLAMA["num_q_heads"], LLAMA["num_kv_heads"], LLAMA["head_dim"]
+    scale = d ** -0.5
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    budget = float(os.environ.get("HERON_SWEEP_BUDGET_S") or DECODE_SWEEP_BUDGET_S)
+    t0 = time.perf_counter()
+    compile_errors = _precompile_decode(list(DECODE_VARIANTS.items()))
+    out = {"compile_s": time.perf_counter() - t0, "compile_errors": compile_errors, "shapes": {}}
+    setups = {}
+    for batch, context in DECODE_SHAPES:
+        kv, metas, q, (k, v), kv_bytes = _decode_setup(batch, context)
+        ref = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale,
+                                             enable_gqa=True).squeeze(2)
+        del k, v
+        setups[(batch, context)] = (kv, metas, q, ref)
+        out["shapes"][f"{batch}x{context}"] = {
+            "kv_bytes": kv_bytes, "kv_sets": len(metas), "runs": {}, "plans": {},
+            "roofline_ms": kv_bytes / bandwidth_gbps / 1e6 if bandwidth_gbps else None}
+    torch.cuda.synchronize()
+
+    def measure(shape, ref, label, fns):
+        if time.perf_counter() - t0 > budget:
+            shape["runs"][label] = {"error": "skipped: sweep time budget spent"}
+            return
+        try:
+            err = _rel_err(fns[0](), ref)
+            ms = time_graph_rotating(fns, reps=10)
+            run = {"us": ms * 1e3, "gbps": shape["kv_bytes"] / ms / 1e6, "rel_err": err,
+                   "x_roofline": ms / shape["roofline_ms"] if shape["roofline_ms"] else None}
+            if not err <= DECODE_ERR_LIMIT:  # NaN too
+                run["wrong"] = True
+        except Exception as exc:  # report and go on: one bad variant must not end the sweep
+            run = {"error": f"{type(exc).__name__}: {exc}"[-600:]}
+        shape["runs"][label] = run
+
+    for (batch, context), (kv, metas, q, ref) in setups.items():
+        measure(out["shapes"][f"{batch}x{context}"], ref, "v1",
+                [lambda kv=kv, m=m, q=q: _decode_v1(q, kv, m, scale, sms) for m in metas])
+    for name, config in DECODE_VARIANTS.items():  # a precompile error is retried here
+        for (batch, context), (kv, metas, q, ref) in setups.items():
+            shape = out["shapes"][f"{batch}x{context}"]
+            sizes = set(DECODE_PARTITIONS[(batch, context)])
+            for ctas in DECODE_CTAS_PER_SM:
+                p = plan.plan_decode(batch, hkv, context, sms, hq // hkv, d, 2,
+                                     plan.DecodeConfig(**config, ctas_per_sm=ctas))
+                shape["plans"][f"{name} ctas_per_sm={ctas}"] = p.partition_size
+                sizes.add(p.partition_size)
+            for size in sorted(sizes):
+                with plan.decode_config(plan.DecodeConfig(**config, partition_size=size)):
+                    measure(shape, ref, f"{name} P={size}", [
+                        lambda kv=kv, m=m, q=q: cuda_ops.paged_attention(q, kv[0], kv[1], m, scale)
+                        for m in metas])
+    for shape in out["shapes"].values():
+        ok = {lbl: r for lbl, r in shape["runs"].items() if "us" in r and not r.get("wrong")}
+        if ok:
+            best = min(ok, key=lambda lbl: ok[lbl]["us"])
+            shape["best"] = {"label": best, **ok[best]}
+    del setups
+    torch.cuda.empty_cache()
+    out["recommended"] = _recommend(out["shapes"])
+    out["total_s"] = time.perf_counter() - t0
+    return out
+
+
+def _recommend(shapes: dict) -> dict:
+    """The variant with the best geometric mean of (its best time / the best time) over the
+    shapes, each shape at its best partition size; and its per-shape best partition."""
+    import math
+
+    scores = {}
+    for name in DECODE_VARIANTS:
+        ratios, sizes = [], {}
+        for key, shape in shapes.items():
+            runs = {lbl: r for lbl, r in shape["runs"].items()
+                    if lbl.startswith(name + " P=") and "us" in r and not r.get("wrong")}
+            if not runs or "best" not in shape:
+                break
+            lbl = min(runs, key=lambda x: runs[x]["us"])
+            ratios.append(runs[lbl]["us"] / shape["best"]["us"])
+            sizes[key] = int(lbl.split("P=")[1])
+        else:
+            scores[name] = {"geomean_x_best": math.exp(sum(map(math.log, ratios)) / len(ratios)),
+                            "best_partition": sizes}
+    if not scores:
+        return {}
+    name = min(scores, key=lambda n: scores[n]["geomean_x_best"])
+    return {"variant": name, "config": DECODE_VARIANTS[name], **scores[name],
+            "all": {n: round(s["geomean_x_best"], 3) for n, s in scores.items()}}
+
+
+#: Tensor-core prefill tiles (BLOCK_M, BLOCK_N, NUM_WARPS) timed on the 4k prompt; the plan's
+#: default (plan.PREFILL_MMA_TILES[0]) is one of them.
+PREFILL_MMA_SWEEP = ((128, 64, 4), (128, 64, 8), (64, 64, 4), (64, 32, 4))
+#: Prefill cases: name -> (query_lens, seq_lens). The first is the headline number.
+PREFILL_CASES = {
+    "4096 causal": ([4096], [4096]),
+    "8 x 512 causal": ([512] * 8, [512] * 8),
+    "512-token chunk over 3584 cached": ([512], [4096]),
+}
+
+
+def _prefill_inputs(query_lens: list[int], seq_lens: list[int], dtype=torch.bfloat16):
+    """Llama-3-8B attention over a shuffled paged cache: q, k_cache, v_cache, metadata, and
+    the SDPA reference output on contiguous K/V ([T, Hq, D])."""
+    from heron.core.batch import AttentionMetadata
 
     hq, hkv, d, bs = (LLAMA[k] for k in ("num_q_heads", "num_kv_heads", "head_dim", "block_size"))
-    length, scale = 4096, d ** -0.5
-    num_blocks = length // bs + 1
-    kv = torch.randn(2, num_blocks, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
-    tables = (1 + torch.randperm(num_blocks - 1, device="cuda")).view(1, -1).int()
+    per_seq = [-(-s // bs) for s in seq_lens]
+    num_blocks = sum(per_seq) + 1
+    kv = torch.randn(2, num_blocks, bs, hkv, d, device="cuda", dtype=dtype)
+    perm = (1 + torch.randperm(num_blocks - 1, device="cuda")).int()
+    tables = torch.zeros(len(seq_lens), max(per_seq), dtype=torch.int32, device="cuda")
+    start = 0
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = perm[start:start + n]
+        start += n
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     meta = AttentionMetadata(
-        slot_mapping=torch.zeros(length, dtype=torch.int64, device="cuda"),
-        query_start_loc=torch.tensor([0, length], dtype=torch.int32, device="cuda"),
-        seq_lens=torch.tensor([length], dtype=torch.int32, device="cuda"), block_tables=tables,
-        query_lens_list=[length], seq_lens_list=[length], max_query_len=length,
-        max_seq_len=length, block_size=bs)
-    q = torch.randn(length, hq, d, device="cuda", dtype=torch.bfloat16)
-    heron = {"eager_ms": time_eager(lambda: cuda_ops.paged_attention(q, kv[0], kv[1], meta, scale), reps=10)}
-    k = kv[0][tables.long()].view(1, -1, hkv, d).transpose(1, 2).contiguous()
-    v = kv[1][tables.long()].view(1, -1, hkv, d).transpose(1, 2).contiguous()
-    q4 = q.transpose(0, 1).unsqueeze(0)
-    sdpa = {"eager_ms": time_eager(lambda: F.scaled_dot_product_attention(
-        q4, k, v, is_causal=True, scale=scale, enable_gqa=True), reps=10)}
-    flops = 4 * hq * d * length * (length + 1) / 2  # QK^T and PV over the causal half
-    return {"tokens": length, "heron": heron, "sdpa_contiguous": sdpa,
-            "heron_tflops": flops / heron["eager_ms"] / 1e9,
-            "sdpa_tflops": flops / sdpa["eager_ms"] / 1e9}
+        slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64, device="cuda"),
+        query_start_loc=qsl.cuda(), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        block_tables=tables, query_lens_list=list(query_lens), seq_lens_list=list(seq_lens),
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_size=bs)
+    q = torch.randn(sum(query_lens), hq, d, device="cuda", dtype=dtype)
+    scale = d ** -0.5
+    refs, sdpa_fns = [], []
+    for i, (ql, sl) in enumerate(zip(query_lens, seq_lens)):
+        blocks = tables[i, :per_seq[i]].long()
+        k = kv[0][blocks].reshape(1, -1, hkv, d)[:, :sl].transpose(1, 2).contiguous()
+        v = kv[1][blocks].reshape(1, -1, hkv, d)[:, :sl].transpose(1, 2).contiguous()
+        qi = q[int(qsl[i]):int(qsl[i + 1])].transpose(0, 1).unsqueeze(0)
+        if ql == sl:
+            fn = (lambda qi=qi, k=k, v=v: F.scaled_dot_product_attention(
+                qi, k, v, is_causal=True, scale=scale, enable_gqa=True))
+        else:
+            mask = (torch.arange(sl, device="cuda")[None, :]
+                    <= torch.arange(ql, device="cuda")[:, None] + (sl - ql))
+            fn = (lambda qi=qi, k=k, v=v, mask=mask: F.scaled_dot_product_attention(
+                qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True))
+        sdpa_fns.append(fn)
+        refs.append(fn()[0].transpose(0, 1))
+    return q, kv, meta, torch.cat(refs), sdpa_fns
 
 
-SECTIONS = ["env", "bandwidth", "matmul", "ops", "decode", "prefill"]
+def _prefill_flops(query_lens, seq_lens) -> float:
+    """QK^T and PV over the visible (causal) keys: 4 * Hq * D per (query, key) pair."""
+    pairs = sum(ql * (sl - ql) + ql * (ql + 1) / 2 for ql, sl in zip(query_lens, seq_lens))
+    return 4 * LLAMA["num_q_heads"] * LLAMA["head_dim"] * pairs
+
+
+def section_prefill(args) -> dict:
+    """Prefill attention, Llama-3-8B shapes, bf16: the CUDA-core kernel (fma), the tensor-core
+    kernel (mma) with the plan's tile and, on the 4k prompt, each tile of PREFILL_MMA_SWEEP;
+    torch SDPA on contiguous K/V for reference. GPU time from CUDA-graph replays."""
+    from heron.core.ops import cuda as cuda_ops
+    from heron.core.ops.cuda import attention
+    from heron.core.ops.cuda.plan import MmaTile
+
+    scale = LLAMA["head_dim"] ** -0.5
+    out: dict = {"cases": {}}
+    for case_name, (qlens, slens) in PREFILL_CASES.items():
+        q, kv, meta, ref, sdpa_fns = _prefill_inputs(qlens, slens)
+        flops = _prefill_flops(qlens, slens)
+        sdpa = time_kernel(lambda: [fn() for fn in sdpa_fns])
+        row = {"flops": flops, "sdpa_contiguous": sdpa, "sdpa_tflops": flops / sdpa["gpu_ms"] / 1e9,
+               "kernels": {}}
+        variants = [("fma", "fma", None), ("mma", "mma", None)]
+        if case_name == "4096 causal":
+            variants += [(f"mma {bm}x{bn}x{w}", "mma", (bm, bn, w))
+                         for bm, bn, w in PREFILL_MMA_SWEEP]
+        for label, kernel, tile in variants:
+            attention.PREFILL_KERNEL = kernel
+            attention.PREFILL_MMA_TILE = MmaTile(*tile) if tile else None
+            try:
+                fn = lambda: cuda_ops.paged_attention(q, kv[0], kv[1], meta, scale)  # noqa: E731
+                got = fn()
+                err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+                t = time_kernel(fn)
+                row["kernels"][label] = {**t, "tflops": flops / t["gpu_ms"] / 1e9,
+                                         "rel_err_vs_sdpa": err,
+                                         "nan": bool(torch.isnan(got).any())}
+            except Exception as exc:  # one failing variant must not hide the others
+                row["kernels"][label] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            finally:
+                attention.PREFILL_KERNEL = attention.PREFILL_MMA_TILE = None
+        out["cases"][case_name] = row
+        del q, kv, meta, ref, sdpa_fns
+        torch.cuda.empty_cache()
+    # The headline keys of earlier runs: the 4k prompt, the engine's default path (mma).
+    first = out["cases"]["4096 causal"]
+    default = first["kernels"].get("mma", {})
+    if "gpu_ms" in default:
+        out.update(tokens=4096, heron={"eager_ms": default["eager_ms"], "gpu_ms": default["gpu_ms"]},
+                   sdpa_contiguous=first["sdpa_contiguous"], heron_tflops=default["tflops"],
+                   sdpa_tflops=first["sdpa_tflops"])
+    return out
+
+
+def _prefill_markdown(p: dict) -> list[str]:
+    lines = ["Prefill attention, Llama-3-8B shapes (32q/8kv heads, d128, bf16, block 16); GPU ms "
+             "from graph replays, rel err vs SDPA", "",
+             "| case | kernel | ms | TFLOP/s | rel err |", "|---|---|---|---|---|"]
+    for name, row in p.get("cases", {}).items():
+        lines.append(f"| {name} | SDPA contiguous | {row['sdpa_contiguous']['gpu_ms']:.3f} | "
+                     f"{row['sdpa_tflops']:.0f} | - |")
+        for label, r in row["kernels"].items():
+            if "error" in r:
+                lines.append(f"| {name} | {label} | error: {r['error'][:120]} | | |")
+            else:
+                lines.append(f"| {name} | {label} | {r['gpu_ms']:.3f} | {r['tflops']:.0f} | "
+                             f"{r['rel_err_vs_sdpa']:.1e}{' NaN!' if r['nan'] else ''} |")
+    return lines + [""]
+
+
+SECTIONS = ["env", "bandwidth", "matmul", "ops", "decode", "prefill", "decode_sweep"]
 
 
 # ---------------------------------------------------------------------------- report
+
+
+def _sweep_cell(r: dict | None, best: str | None, label: str) -> str:
+    if r is None:
+        return ""
+    if "error" in r:
+        return "err"
+    cell = f"{r['us']:.1f}" + ("!" if r.get("wrong") else "")
+    return f"**{cell}**" if label == best else cell
+
+
+def _sweep_markdown(sweep: dict) -> list[str]:
+    """Per shape a variant x partition matrix of µs (bold: the shape's best; ! = wrong result,
+    err = failed), then the summary: best per shape vs the first kernel and the default plan."""
+    lines = [f"## Decode sweep: µs per call (CUDA-graph replay, KV sets rotated past L2); "
+             f"compile {sweep.get('compile_s', 0):.1f} s, total {sweep.get('total_s', 0):.1f} s", ""]
+    if sweep.get("compile_errors"):
+        lines += [f"compile errors: {sorted(sweep['compile_errors'])}", ""]
+    summary = ["| shape | best | µs | GB/s | x roofline | v1 µs | best / v1 |", "|---|---|---|---|---|---|---|"]
+    for key, shape in sweep["shapes"].items():
+        runs, best = shape["runs"], shape.get("best", {}).get("label")
+        sizes = sorted({int(lbl.split("P=")[1]) for lbl in runs if " P=" in lbl})
+        roof = shape.get("roofline_ms")
+        lines += [f"### {key}: KV {shape['kv_bytes'] / 1e6:.1f} MB, {shape['kv_sets']} set(s), roofline "
+                  f"{roof * 1e3:.2f} µs" if roof else f"### {key}", "",
+                  "| variant | " + " | ".join(f"P={p}" for p in sizes) + " | plan P at ctas/SM 1/2/4/8 |",
+                  "|---|" + "---|" * (len(sizes) + 1)]
+        v1 = runs.get("v1", {})
+        lines.append(f"| v1 (own plan) | {_sweep_cell(v1, best, 'v1')} |" + " |" * len(sizes))
+        for name in DECODE_VARIANTS:
+            cells = [_sweep_cell(runs.get(f"{name} P={p}"), best, f"{name} P={p}") for p in sizes]
+            plans = "/".join(str(shape["plans"].get(f"{name} ctas_per_sm={c}", "-")) for c in DECODE_CTAS_PER_SM)
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {plans} |")
+        lines.append("")
+        b = shape.get("best")
+        if b:
+            ratio = b["us"] / v1["us"] if "us" in v1 else float("nan")
+            summary.append(f"| {key} | {b['label']} | {b['us']:.1f} | {b['gbps']:.0f} | "
+                           f"{(b.get('x_roofline') or float('nan')):.2f} | {v1.get('us', float('nan')):.1f} | {ratio:.2f} |")
+    rec = sweep.get("recommended", {})
+    lines += ["### Decode sweep summary", ""] + summary + [""]
+    if rec:
+        lines += [f"Recommended variant: `{rec['variant']}` {rec['config']} at {rec['geomean_x_best']:.3f}x "
+                  f"the per-shape best (geomean); its best partition per shape: {rec['best_partition']}",
+                  f"All variants (geomean x best): {rec['all']}", ""]
+    return lines
 
 
 def markdown(results: dict) -> str:
@@ -242,19 +638,28 @@ def markdown(results: dict) -> str:
                          f"{t['gpu_ms']*1e3:.1f} / {t['eager_ms']*1e3:.1f} |")
         lines.append("")
     if isinstance(results.get("decode"), dict) and "error" not in results["decode"]:
-        lines += ["Decode attention, 1k context, Llama-3-8B shapes (32q/8kv heads, d128, bf16, block 16)", "",
-                  "| batch | heron µs | heron eager µs | KV GB/s | x roofline | SDPA contiguous µs |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["Decode attention, default plan, Llama-3-8B shapes (32q/8kv heads, d128, bf16, block 16); "
+                  "KV sets rotated past L2", "",
+                  "| batch | heron µs | heron eager µs | KV GB/s | x roofline | SDPA contiguous µs | plan | err vs SDPA |",
+                  "|---|---|---|---|---|---|---|---|"]
         for name, r in results["decode"].items():
+            pl = r.get("plan", {})
+            kind = "mma" if pl.get("DECODE_MMA") else "fma"
             lines.append(f"| {name[6:]} | {r['heron']['gpu_ms']*1e3:.1f} | {r['heron']['eager_ms']*1e3:.1f} | "
                          f"{r['heron_gbps']:.0f} | {r.get('x_roofline', float('nan')):.2f} | "
-                         f"{r['sdpa_contiguous']['gpu_ms']*1e3:.1f} |")
+                         f"{r['sdpa_contiguous']['gpu_ms']*1e3:.1f} | {kind} P={pl.get('partition_size')} "
+                         f"x{pl.get('splits')} w{pl.get('DECODE_WARPS')} | {r.get('rel_err_vs_sdpa', float('nan')):.1e} |")
         lines.append("")
     p = results.get("prefill", {})
     if "heron_tflops" in p:
-        lines += [f"Prefill attention, {p['tokens']} tokens causal: heron {p['heron']['eager_ms']:.2f} ms "
-                  f"({p['heron_tflops']:.1f} TFLOP/s), SDPA {p['sdpa_contiguous']['eager_ms']:.2f} ms "
+        lines += [f"Prefill attention, {p['tokens']} tokens causal: heron {p['heron']['gpu_ms']:.2f} ms "
+                  f"({p['heron_tflops']:.1f} TFLOP/s), SDPA {p['sdpa_contiguous']['gpu_ms']:.2f} ms "
                   f"({p['sdpa_tflops']:.1f} TFLOP/s)", ""]
+    if isinstance(p.get("cases"), dict):
+        lines += _prefill_markdown(p)
+    sweep = results.get("decode_sweep")
+    if isinstance(sweep, dict) and "shapes" in sweep:
+        lines += _sweep_markdown(sweep)
     errors = {k: v["error"] for k, v in results.items() if isinstance(v, dict) and "error" in v}
     for k, e in errors.items():
         lines += [f"**{k} failed**:", "```", e.strip()[-2000:], "```", ""]
@@ -280,9 +685,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in wanted:
         t0 = time.perf_counter()
         try:
-            if name == "decode":  # the roofline needs the measured bandwidth
+            if name in ("decode", "decode_sweep"):  # the roofline needs the measured bandwidth
                 bw = results.get("bandwidth", {}).get("copy_gbps") or section_bandwidth(args)["copy_gbps"]
-                results[name] = section_decode(args, bw)
+                results[name] = globals()[f"section_{name}"](args, bw)
             else:
                 results[name] = globals()[f"section_{name}"](args)
         except Exception:

@@ -8,11 +8,14 @@ checks the same on a real device.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from heron.core.ops.cuda.launch import use_backend
-from tests.gpu import cases
+from heron.core.ops.cuda.plan import MmaTile, plan_prefill_mma, prefill_mma_smem_bytes
+from tests.gpu import cases, decode_cases
 from tests.gpu.emulator import EmulatorBackend, compiler_available
 
 pytestmark = pytest.mark.skipif(not compiler_available(), reason="needs g++ for the kernel emulator")
@@ -87,9 +90,22 @@ def test_decode_context_bound(emulated):
     assert grid[0] > 1
 
 
+@pytest.fixture
+def prefill_kernel(monkeypatch):
+    """Force the prefill kernel (attention.PREFILL_KERNEL) and optionally its mma tile."""
+    from heron.core.ops.cuda import attention
+
+    def force(kernel, tile=None):
+        monkeypatch.setattr(attention, "PREFILL_KERNEL", kernel)
+        monkeypatch.setattr(attention, "PREFILL_MMA_TILE", tile and MmaTile(*tile))
+    return force
+
+
 @pytest.mark.parametrize("smem", [227 * 1024, 48 * 1024])
 @pytest.mark.parametrize("dtype,d,hq,hkv,bs,qlens,slens", PREFILL)
-def test_prefill_attention(emulated, smem, dtype, d, hq, hkv, bs, qlens, slens):
+def test_prefill_attention(emulated, prefill_kernel, smem, dtype, d, hq, hkv, bs, qlens, slens):
+    """The CUDA-core (fma) kernel, forced: it is the fallback for float32 and odd head dims."""
+    prefill_kernel("fma")
     emulated.info = emulated.info._replace(max_smem_per_block=smem)
     try:
         cases.check_paged_attention("cpu", dtype, qlens, slens, num_q_heads=hq,
@@ -99,6 +115,166 @@ def test_prefill_attention(emulated, smem, dtype, d, hq, hkv, bs, qlens, slens):
     assert emulated.launches[0][0] == "paged_prefill_kernel"
 
 
+# Tensor-core prefill (attention_prefill_mma.cu): mma.sync / ldmatrix / cp.async run on the
+# emulator's warp-collective model. (dtype, head_dim, Hq, Hkv, block_size, query_lens,
+# seq_lens, (BLOCK_M, BLOCK_N, NUM_WARPS)). Each tile shape and head dim is one more g++
+# build (~2 s on 2 cores), so the cases share them where they can.
+PREFILL_MMA = [
+    # fresh prompt, a decode row, a chunk over a cached prefix; 32-row warps (Q from smem)
+    (torch.bfloat16, 128, 8, 2, 16, [37, 1, 20], [37, 45, 100], (128, 64, 4)),
+    # MHA, fp16, several key tiles, 16-row warps with Q fragments in registers
+    (torch.float16, 64, 2, 2, 32, [70, 5], [70, 133], (64, 32, 4)),
+    # GQA 7: rows straddle tokens and warps; KV block (64) larger than the key tile
+    (torch.bfloat16, 64, 7, 1, 64, [10, 3, 2], [30, 3, 90], (64, 32, 4)),
+    # head 96, 8 warps, GQA 3
+    (torch.float16, 96, 6, 2, 16, [20, 9], [20, 50], (128, 64, 8)),
+    # head 256: 16-row warps re-read Q from smem
+    (torch.bfloat16, 256, 4, 2, 16, [17, 2], [40, 2], (64, 32, 4)),
+    # head 80 (not a power of two), 2 warps, 16-key tiles
+    (torch.bfloat16, 80, 4, 4, 16, [9, 30], [25, 30], (32, 16, 2)),
+]
+
+
+def _mma_id(case):
+    dtype, d, hq, hkv, bs, qlens, slens, tile = case
+    return f"{str(dtype)[6:]}-d{d}-g{hq // hkv}-bs{bs}-{'x'.join(map(str, tile))}"
+
+
+@pytest.mark.parametrize("case", PREFILL_MMA, ids=_mma_id)
+def test_prefill_attention_mma(emulated, prefill_kernel, case):
+    dtype, d, hq, hkv, bs, qlens, slens, tile = case
+    prefill_kernel("mma", tile)
+    cases.check_paged_attention("cpu", dtype, qlens, slens, num_q_heads=hq, num_kv_heads=hkv,
+                                head_dim=d, block_size=bs, seed=1)
+    name, grid, block, smem = emulated.launches[0]
+    assert name == "paged_prefill_mma_kernel" and block == (32 * tile[2], 1, 1)
+    assert smem == prefill_mma_smem_bytes(tile[0], tile[1], d)
+
+
+@pytest.mark.parametrize("smem", [227 * 1024, 48 * 1024])
+def test_prefill_auto_takes_mma_for_half_types(emulated, prefill_kernel, smem):
+    """Auto dispatch: bf16/fp16 with head_dim % 16 == 0 take the mma kernel, with the plan's
+    tile (the 48 KiB plan included); float32 takes the fma kernel."""
+    prefill_kernel("auto")
+    emulated.info = emulated.info._replace(max_smem_per_block=smem)
+    try:
+        cases.check_paged_attention("cpu", torch.bfloat16, [33, 4], [33, 60], num_q_heads=4,
+                                    num_kv_heads=1, head_dim=64, block_size=16)
+        name, _, _, used = emulated.launches[-1]
+        assert name == "paged_prefill_mma_kernel" and used <= smem
+        cases.check_paged_attention("cpu", torch.float32, [5], [9], num_q_heads=2,
+                                    num_kv_heads=1, head_dim=64, block_size=16)
+        assert emulated.launches[-1][0] == "paged_prefill_kernel"
+    finally:
+        emulated.info = emulated.info._replace(max_smem_per_block=227 * 1024)
+
+
+def test_prefill_kernel_switch(emulated, prefill_kernel, monkeypatch):
+    from heron.core.ops.cuda import attention
+
+    prefill_kernel(None)
+    monkeypatch.delenv("HERON_PREFILL_KERNEL", raising=False)
+    assert attention.prefill_kernel_choice() == "fma"  # until verified on a device
+    monkeypatch.setenv("HERON_PREFILL_KERNEL", "auto")
+    assert attention.prefill_kernel_choice() == "auto"
+    monkeypatch.setenv("HERON_PREFILL_KERNEL", "bogus")
+    with pytest.raises(ValueError, match="fma, mma or auto"):
+        attention.prefill_kernel_choice()
+    monkeypatch.setenv("HERON_PREFILL_KERNEL", "mma")
+    with pytest.raises(ValueError, match="mma prefill kernel takes"):  # float32: no mma path
+        cases.check_paged_attention("cpu", torch.float32, [5], [9], num_q_heads=2,
+                                    num_kv_heads=1, head_dim=64, block_size=16)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("max_smem", [48 * 1024, 99 * 1024, 227 * 1024])
+def test_prefill_mma_plan(head_dim, max_smem):
+    try:
+        tile = plan_prefill_mma(head_dim, max_smem)
+    except ValueError:
+        assert head_dim > 128 and max_smem == 48 * 1024  # only head 256 needs the opt-in
+        return
+    assert prefill_mma_smem_bytes(tile.block_m, tile.block_n, head_dim) <= max_smem
+    assert tile.block_m // tile.num_warps in (16, 32) and tile.block_n % 16 == 0
+    if max_smem >= 99 * 1024 and head_dim <= 128:
+        assert tile == MmaTile(128, 64, 4)
+    # a small grid gets the smallest fitting tile; a big one the best
+    assert plan_prefill_mma(head_dim, max_smem, 16, 1, 132).block_m <= tile.block_m
+    assert plan_prefill_mma(head_dim, max_smem, 16384, 8, 132) == tile
+
+
 @pytest.mark.parametrize("seq_lens,bound", [((300, 1, 77), 512), ((40, 1, 17), 64)])
 def test_decode_padded_rows(emulated, seq_lens, bound):
     cases.check_decode_padded_rows("cpu", torch.float32, seq_lens, bound)
+
+
+HEAVY = pytest.mark.skipif(not os.environ.get("HERON_EMULATOR_HEAVY"),
+                           reason="minutes on 2 cores: set HERON_EMULATOR_HEAVY=1")
+
+
+@HEAVY
+@pytest.mark.parametrize("tile", [(128, 64, 4), (128, 64, 8), (64, 64, 4), (64, 32, 4)])
+def test_prefill_attention_mma_heavy(emulated, prefill_kernel, tile):
+    """Llama-3 attention shapes (GQA 4, head 128), a few hundred tokens: many row and key
+    tiles per sequence, heavy-first tile order, one chunk over a long cached prefix."""
+    prefill_kernel("mma", tile)
+    cases.check_paged_attention("cpu", torch.bfloat16, [300, 1, 100], [300, 500, 700],
+                                num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16,
+                                seed=2)
+    cases.check_paged_attention("cpu", torch.float16, [129], [129], num_q_heads=4,
+                                num_kv_heads=1, head_dim=128, block_size=32, seed=3)
+
+
+# ---------------------------------------------------------------------------- decode variants
+# Non-default decode plans (tests/gpu/decode_cases.py: tensor-core and CUDA-core kernels with
+# other warps, rows in flight, prefetch, partitions) and the default one, over padded graph
+# rows (seq_len 0), GQA 1/4/8/16, head dims 64/128, block sizes 16/32 and a 4k context split
+# over many partitions. (dtype, head_dim, Hq, Hkv, block_size, seq_lens, bound)
+DECODE_VARIANT_CASES = [
+    (torch.bfloat16, 128, 8, 2, 16, [1, 17, 0, 300, 1000], 1024),   # GQA 4, a padded row
+    (torch.float16, 64, 8, 1, 32, [5, 70, 260], 512),               # GQA 8, block 32
+    (torch.bfloat16, 64, 2, 2, 16, [33, 0, 129], 256),              # MHA
+    (torch.float16, 128, 16, 1, 16, [100, 250], 512),               # GQA 16: both mma row halves
+    (torch.bfloat16, 128, 4, 1, 32, [4096], 4096),                  # batch 1, 4k, many splits
+    (torch.float32, 64, 4, 2, 16, [1, 0, 70, 300], 300),            # float32: CUDA cores only
+]
+
+
+def _decode_case_id(case):
+    dtype, d, hq, hkv, bs, slens, bound = case
+    return f"{str(dtype)[6:]}-d{d}-g{hq // hkv}-bs{bs}-b{len(slens)}-max{bound}"
+
+
+@pytest.mark.parametrize("case", DECODE_VARIANT_CASES, ids=_decode_case_id)
+@pytest.mark.parametrize("name", ["default", *decode_cases.DECODE_CONFIGS])
+def test_decode_variants(emulated, name, case):
+    from heron.core.ops.cuda import plan
+
+    config = decode_cases.DECODE_CONFIGS.get(name, {})
+    dtype, d, hq, hkv, bs, slens, bound = case
+    if not decode_cases.supported(config, dtype, d, hq // hkv):
+        pytest.skip("the tensor-core kernel takes float16/bfloat16 only")
+    with plan.decode_config(**config):
+        decode_cases.check_decode("cpu", dtype, slens, num_q_heads=hq, num_kv_heads=hkv,
+                                  head_dim=d, block_size=bs, max_seq_len=bound, seed=len(slens))
+    expected = decode_cases.expected_plan(config, dtype, slens, hq, hkv, d, bound,
+                                          emulated.info.num_sms)
+    name, grid, block, _ = emulated.launches[0]
+    assert name == "paged_decode_kernel"
+    assert grid == (expected.max_splits, hkv, len(slens)) and block == (expected.threads, 1, 1)
+    reduces = [launch for launch in emulated.launches if launch[0] == "paged_decode_reduce_kernel"]
+    assert len(reduces) == (expected.max_splits > 1)
+
+
+def test_decode_graph_shape_ignores_lengths(emulated):
+    """The launch shapes depend on the bound only: same grids for any lengths under it."""
+    from heron.core.ops.cuda import plan
+
+    shapes = []
+    for slens in ([1, 2], [700, 1024], [0, 513]):
+        emulated.launches.clear()
+        with plan.decode_config(kernel="mma"):
+            decode_cases.check_decode("cpu", torch.bfloat16, slens, num_q_heads=4,
+                                      num_kv_heads=1, head_dim=64, block_size=16, max_seq_len=1024)
+        shapes.append([launch[:3] for launch in emulated.launches])
+    assert shapes[0] == shapes[1] == shapes[2]

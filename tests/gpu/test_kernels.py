@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from tests.gpu import cases
+from tests.gpu import cases, decode_cases
 
 pytestmark = pytest.mark.gpu
 
@@ -116,10 +116,76 @@ def smem_plan(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["fma", "auto"])
+def prefill_impl(request, monkeypatch):
+    """The CUDA-core kernel forced, and the default dispatch (the tensor-core kernel for
+    float16 / bfloat16 with head_dim % 16 == 0, when its tile fits the shared memory)."""
+    from heron.core.ops.cuda import attention
+    monkeypatch.setattr(attention, "PREFILL_KERNEL", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("case", PREFILL, ids=_id)
-def test_prefill_attention(case, smem_plan):
+def test_prefill_attention(case, smem_plan, prefill_impl):
     dtype, heads, bs, qlens, slens = case
     cases.check_paged_attention(DEV, dtype, qlens, slens, block_size=bs, **heads)
+
+
+# Tensor-core prefill (attention_prefill_mma.cu) with each tile forced; same case format.
+PREFILL_MMA = [
+    (torch.bfloat16, LLAMA, 16, [4096], [4096]),                                # one long prompt
+    (torch.bfloat16, LLAMA, 32, [4096], [4096]),                                # block 32
+    (torch.bfloat16, LLAMA, 16, [1, 7, 64, 300, 1000], [1, 7, 64, 300, 1000]),  # varlen prompts
+    (torch.bfloat16, LLAMA, 32, [50, 128, 1, 33, 700], [250, 1128, 518, 33, 3000]),  # chunked
+    (torch.float16, dict(num_q_heads=32, num_kv_heads=4, head_dim=128), 16, [256, 17], [2048, 17]),
+    (torch.bfloat16, dict(num_q_heads=16, num_kv_heads=2, head_dim=64), 16, [500, 1, 1, 1], [900, 44, 1000, 3000]),
+    (torch.float16, dict(num_q_heads=28, num_kv_heads=4, head_dim=96), 16, [40, 9, 333], [40, 100, 333]),
+    (torch.bfloat16, dict(num_q_heads=32, num_kv_heads=32, head_dim=80), 16, [300, 5], [300, 77]),
+]
+# Every tile on the Llama-3 cases, two on the others (each tile x shape is one more compile).
+MMA_TILES = [(128, 64, 4), (128, 64, 8), (64, 64, 4), (64, 32, 4)]
+MMA_PARAMS = [pytest.param(case, tile, id=f"{_id(case)}-{'x'.join(map(str, tile))}")
+              for i, case in enumerate(PREFILL_MMA)
+              for tile in (MMA_TILES if i < 4 else MMA_TILES[::3])]
+
+
+@pytest.mark.parametrize("case,tile", MMA_PARAMS)
+def test_prefill_attention_mma(case, tile, monkeypatch):
+    from heron.core.ops.cuda import attention
+    from heron.core.ops.cuda.plan import MmaTile
+
+    monkeypatch.setattr(attention, "PREFILL_KERNEL", "mma")
+    monkeypatch.setattr(attention, "PREFILL_MMA_TILE", MmaTile(*tile))
+    dtype, heads, bs, qlens, slens = case
+    cases.check_paged_attention(DEV, dtype, qlens, slens, block_size=bs, **heads)
+
+
+def test_prefill_mma_head_256():
+    """Head 256 takes the tensor-core kernel only with opt-in shared memory (16-row warps)."""
+    from heron.core.ops.cuda import attention
+
+    old = attention.PREFILL_KERNEL
+    attention.PREFILL_KERNEL = "mma"
+    try:
+        cases.check_paged_attention(DEV, torch.bfloat16, [70, 300], [200, 300], block_size=16,
+                                    num_q_heads=8, num_kv_heads=4, head_dim=256)
+    finally:
+        attention.PREFILL_KERNEL = old
+
+
+def test_prefill_dispatch(monkeypatch):
+    """bf16 with head 128 runs the tensor-core kernel by default, float32 the CUDA-core one."""
+    from heron.core.ops.cuda import attention
+
+    names = []
+    real = attention.launch
+    monkeypatch.setattr(attention, "launch",
+                        lambda file, name, *a, **k: (names.append(name), real(file, name, *a, **k)))
+    monkeypatch.setattr(attention, "PREFILL_KERNEL", None)
+    monkeypatch.delenv("HERON_PREFILL_KERNEL", raising=False)
+    cases.check_paged_attention(DEV, torch.bfloat16, [100], [100], block_size=16, **LLAMA)
+    cases.check_paged_attention(DEV, torch.float32, [100], [100], block_size=16, **LLAMA)
+    assert names == ["paged_prefill_mma_kernel", "paged_prefill_kernel"]
 
 
 def test_decode_in_cuda_graph():
@@ -157,3 +223,65 @@ def test_public_ops_dispatch_to_cuda():
     out = ops.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     cases.assert_close(out, cases.reference_attention(case), torch.float32, "ops.paged_attention")
     torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------- decode variants
+# Non-default decode plans (tests/gpu/decode_cases.py: the tensor-core and CUDA-core kernels
+# with other warps, rows in flight, prefetch, a register cap, other partitions) must compute
+# the same function as the default one; a 0 in seq_lens is a padded graph row.
+_G8 = dict(num_q_heads=32, num_kv_heads=4, head_dim=128)
+_MHA64 = dict(num_q_heads=16, num_kv_heads=16, head_dim=64)
+_G16 = dict(num_q_heads=64, num_kv_heads=4, head_dim=128)
+# (config name, dtype, heads, block_size, seq_lens, bound): each non-default plan on a few
+# shapes (every pair is one more NVRTC compile, ~2 s of the GPU session).
+DECODE_VARIANT_CASES = [
+    ("mma-w8-u2-prefetch-p96", torch.bfloat16, LLAMA, 16, [0, *_lens(23, 2048, 7)], 2048),
+    ("mma-w8-u2-prefetch-p96", torch.float16, _G8, 32, _lens(9, 1500, 8), 4096),
+    ("mma-w2-minblocks3-p16..128", torch.bfloat16, LLAMA, 16, [0, *_lens(23, 2048, 7)], 2048),
+    ("mma-w2-minblocks3-p16..128", torch.bfloat16, _MHA64, 16, [1, 0, 1500], 2048),
+    ("mma-w2-minblocks3-p16..128", torch.bfloat16, _G16, 16, [3000, 5], 4096),
+    ("fma-w2-u2-lanes8-prefetch", torch.bfloat16, LLAMA, 16, [0, *_lens(23, 2048, 7)], 2048),
+    ("fma-w2-u2-lanes8-prefetch", torch.float32, LLAMA, 16, _lens(6, 1000, 9), 1024),
+    ("fma-w8-u1-ctas1", torch.float16, _G8, 32, _lens(9, 1500, 8), 4096),
+    ("fma-w8-u1-ctas1", torch.bfloat16, _MHA64, 16, [1, 0, 1500], 2048),
+]
+
+
+def _variant_id(case):
+    name, dtype, heads, bs, slens, bound = case
+    return f"{name}-{_id((dtype, heads, bs, slens, slens))}-bound{bound}"
+
+
+@pytest.mark.parametrize("case", DECODE_VARIANT_CASES, ids=_variant_id)
+def test_decode_variants(case):
+    from heron.core.ops.cuda import plan
+
+    name, dtype, heads, bs, slens, bound = case
+    with plan.decode_config(**decode_cases.DECODE_CONFIGS[name]):
+        decode_cases.check_decode(DEV, dtype, slens, block_size=bs, max_seq_len=bound,
+                                  seed=len(slens), **heads)
+
+
+@pytest.mark.parametrize("name", ["default", "mma-w8-u2-prefetch-p96", "fma-w2-u2-lanes8-prefetch"])
+def test_decode_variant_in_cuda_graph(name):
+    """Captured once under a plan, replayed after the lengths change in place (one padded)."""
+    from heron.core.ops import cuda as cuda_ops
+    from heron.core.ops.cuda import plan
+
+    with plan.decode_config(**decode_cases.DECODE_CONFIGS.get(name, {})):
+        case = cases.make_paged_case([1] * 4, [100, 2000, 300, 50], block_size=16,
+                                     dtype=torch.bfloat16, device=DEV, max_seq_len=2048, **LLAMA)
+        args = (case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+        cuda_ops.paged_attention(*args)  # compile and load outside capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = cuda_ops.paged_attention(*args)
+    case.meta.seq_lens.copy_(torch.tensor([90, 2000, 0, 1], dtype=torch.int32))
+    case.meta.seq_lens_list = [90, 2000, 0, 1]  # row 2: a padded row, checked against zeros
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[2].float().cpu(), torch.zeros_like(out[2].float().cpu()))
+    ref = cases.reference_attention(case)
+    cases.assert_close(out[[0, 1, 3]], ref[[0, 1, 3]], torch.bfloat16, f"graph replay {name}")

@@ -26,8 +26,26 @@ register_kernel_file(KERNEL_DIR / "norm.cu", ["rms_norm_kernel"], ALL_DTYPES)
 register_kernel_file(KERNEL_DIR / "activation.cu", ["silu_and_mul_kernel"], ALL_DTYPES)
 register_kernel_file(KERNEL_DIR / "rotary.cu", ["rotary_kernel"], ALL_DTYPES)
 register_kernel_file(KERNEL_DIR / "cache.cu", ["write_kv_kernel"], ALL_DTYPES)
+# Decode: every shape on CUDA cores (the kernel's defaults), the tensor-core path where it
+# applies, and non-default knobs (plan.DecodeConfig) on the Llama shape.
+_DECODE_KNOBS = ({"DECODE_MMA": 1}, {"DECODE_MMA": 1, "DECODE_WARPS": 8, "DECODE_UNROLL": 2,
+                                     "DECODE_PREFETCH": 1},
+                 {"DECODE_MMA": 1, "DECODE_WARPS": 2, "DECODE_MIN_BLOCKS": 3},
+                 {"DECODE_KEY_LANES": 8, "DECODE_UNROLL": 2, "DECODE_PREFETCH": 1, "DECODE_WARPS": 8})
 register_kernel_file(KERNEL_DIR / "attention_decode.cu",
                      ["paged_decode_kernel", "paged_decode_reduce_kernel"],
-                     _attention(PARTITION_MAX=512) + _attention(PARTITION_MAX=64)[:1])
+                     _attention() + [{**_attention()[0], **k} for k in _DECODE_KNOBS]
+                     + [{**_attention()[1], "DECODE_MMA": 1},
+                        {"HERON_DTYPE": 1, "HEAD_DIM": 128, "GROUP_SIZE": 16, "BLOCK_SIZE": 16,
+                         "DECODE_MMA": 1}])
 register_kernel_file(KERNEL_DIR / "attention_prefill.cu", ["paged_prefill_kernel"],
                      _attention(BLOCK_M=64, BLOCK_N=64) + _attention(BLOCK_M=32, BLOCK_N=32)[:1])
+
+# Tensor-core prefill (float16 / bfloat16 only): (dtype, head_dim, group, block_size, tile).
+_MMA_SHAPES = ((2, 128, 4, 16, (128, 64, 4)), (2, 128, 4, 16, (128, 64, 8)),
+               (2, 128, 4, 32, (64, 64, 4)), (1, 128, 8, 16, (64, 32, 4)), (1, 64, 1, 32, (128, 64, 4)),
+               (2, 96, 7, 16, (64, 64, 4)), (2, 256, 2, 16, (64, 32, 4)), (1, 80, 2, 16, (128, 64, 4)))
+register_kernel_file(KERNEL_DIR / "attention_prefill_mma.cu", ["paged_prefill_mma_kernel"],
+                     [{"HERON_DTYPE": dt, "HEAD_DIM": d, "GROUP_SIZE": g, "BLOCK_SIZE": bs,
+                       "BLOCK_M": bm, "BLOCK_N": bn, "NUM_WARPS": w}
+                      for dt, d, g, bs, (bm, bn, w) in _MMA_SHAPES])

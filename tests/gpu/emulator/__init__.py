@@ -6,8 +6,12 @@ per ``extern "C"`` kernel, and launched through ctypes on CPU tensors. The wrapp
 signatures are parsed from the source, so the argument list an op passes is checked against
 the kernel's parameters (count, and pointer / int / long long / float for each).
 
-It checks indexing, masking, synchronisation and the Python launch plumbing; not the PTX
-conversions, alignment faults, cupy or real timing (the GPU tests do).
+It checks indexing, masking, synchronisation and the Python launch plumbing. The
+tensor-core instructions kernels reach through kernels/mma.cuh (mma.sync m16n8k16, ldmatrix,
+cp.async) are emulated warp-collectively from the PTX ISA fragment layouts, with alignment
+and shared-memory range checks on their addresses, and cp.async lands only at its wait.
+Not checked: the PTX itself (the compile check does that), other alignment faults, cupy,
+real timing (the GPU tests do).
 """
 
 from __future__ import annotations
