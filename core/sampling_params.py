@@ -54,7 +54,3 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"{name} is out of range: {getattr(self, name)!r}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0

@@ -27,7 +27,6 @@ class Sequence:
     __slots__ = (
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_table", "status", "params", "arrival", "family_state", "generator",
-        "finish_reason", "stop_reason",
     )
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
@@ -43,8 +42,6 @@ class Sequence:
         self.arrival = arrival
         self.family_state: Any = None
         self.generator: Any = None  # torch.Generator for seeded sampling, set by the engine
-        self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-        self.stop_reason: int | str | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -64,10 +61,6 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id}, req={self.request_id!r}, len={len(self)}, "

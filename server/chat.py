@@ -17,7 +17,7 @@ from heron.server.logprob_format import chat_logprobs, token_id_text
 from heron.server.protocol import ChatCompletionRequest
 from heron.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionResponse, ChatDelta, ChatLogprobs,
-                                    ChatMessageOut, encode)
+                                    ChatMessageOut, api_finish_reason, encode)
 from heron.server.sse import EventStream
 
 
@@ -43,7 +43,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         choices = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.text),
                               logprobs=ChatLogprobs(content=chat_logprobs(c.logprobs, text_of))
                               if req.logprobs else None,
-                              finish_reason=_reason(c.finish_reason), stop_reason=c.stop_reason)
+                              finish_reason=api_finish_reason(c.finish_reason),
+                              stop_reason=c.stop_reason)
                    for c in sorted(gen.choices.values(), key=lambda c: c.index)]
         body = ChatCompletionResponse(id=gen.id, created=gen.created, model=gen.model,
                                       choices=choices, usage=gen.usage())
@@ -76,7 +77,7 @@ async def _stream(request: web.Request, req: ChatCompletionRequest,
                     choices.append(ChatChunkChoice(
                         index=gen.choices[(p, sd.index)].index,
                         delta=ChatDelta(content=sd.text) if sd.text else ChatDelta(),
-                        logprobs=logprobs, finish_reason=_reason(sd.finish_reason),
+                        logprobs=logprobs, finish_reason=api_finish_reason(sd.finish_reason),
                         stop_reason=sd.stop_reason))
             if choices:
                 await events.send(chunk(choices))
@@ -90,7 +91,3 @@ async def _stream(request: web.Request, req: ChatCompletionRequest,
     except Exception as e:  # after the status line: say so in the stream
         await events.fail_after_error(e)
     return events.response
-
-
-def _reason(reason: str | None) -> str | None:
-    return reason if reason in ("stop", "length") else None

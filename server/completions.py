@@ -16,7 +16,8 @@ from heron.server.errors import bad_request, decode_body
 from heron.server.generation import Choice, Generation
 from heron.server.logprob_format import completion_logprobs, token_id_text
 from heron.server.protocol import CompletionRequest
-from heron.server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, encode
+from heron.server.responses import (CompletionChoice, CompletionLogprobs, CompletionResponse,
+                                    api_finish_reason, encode)
 from heron.server.sse import EventStream
 
 
@@ -74,7 +75,7 @@ class _View:
                 completion_logprobs(c.logprobs, self.text_of, c.token_ids, len(text), logprobs)
             text += c.text
         return CompletionChoice(index=c.index, text=text, logprobs=logprobs,
-                                finish_reason=_reason(c.finish_reason),
+                                finish_reason=api_finish_reason(c.finish_reason),
                                 stop_reason=None if self.score_only else c.stop_reason)
 
     @staticmethod
@@ -113,7 +114,7 @@ class _View:
                     if text or logprobs or sd.finish_reason:
                         chunks.append(CompletionChoice(
                             index=c.index, text=text, logprobs=logprobs,
-                            finish_reason=_reason(sd.finish_reason),
+                            finish_reason=api_finish_reason(sd.finish_reason),
                             stop_reason=None if self.score_only else sd.stop_reason))
                 if chunks:
                     await events.send(self._chunk(gen, chunks))
@@ -127,7 +128,3 @@ class _View:
         except Exception as e:  # after the status line: say so in the stream
             await events.fail_after_error(e)
         return events.response
-
-
-def _reason(reason: str | None) -> str | None:
-    return reason if reason in ("stop", "length") else None

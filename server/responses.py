@@ -159,3 +159,9 @@ class ErrorResponse(_Out, kw_only=True):
 
 def encode(body: Struct) -> bytes:
     return msgspec.json.encode(body)
+
+
+def api_finish_reason(reason: str | None) -> str | None:
+    """The OpenAI finish reason for an engine one: "stop" and "length" pass, "abort" and
+    "error" (which the client learns of otherwise) become None."""
+    return reason if reason in ("stop", "length") else None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from heron.core.sampling_params import SamplingParams
 from tests.engine_utils import make_engine
