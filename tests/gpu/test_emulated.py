@@ -278,3 +278,10 @@ def test_decode_graph_shape_ignores_lengths(emulated):
                                       num_kv_heads=1, head_dim=64, block_size=16, max_seq_len=1024)
         shapes.append([launch[:3] for launch in emulated.launches])
     assert shapes[0] == shapes[1] == shapes[2]
+
+
+def test_prefill_refuses_head_dims_its_kernel_cannot_take(emulated, prefill_kernel):
+    prefill_kernel("fma")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cases.check_paged_attention("cpu", torch.float32, [5], [9], num_q_heads=2,
+                                    num_kv_heads=1, head_dim=16, block_size=16)

@@ -169,6 +169,10 @@ def _prefill(q, k_cache, v_cache, strides, block_tables, seq_lens, query_start_l
         defines = {**defines, "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n,
                    "NUM_WARPS": tile.num_warps}
     else:
+        if head_dim % 32:
+            raise ValueError(f"the CUDA prefill attention kernel needs head_dim a multiple of 32 "
+                             f"(the tensor-core one, HERON_PREFILL_KERNEL=auto, of 16); "
+                             f"got {head_dim}")
         file, name, threads = "attention_prefill.cu", "paged_prefill_kernel", 128
         block_m, block_n = plan_prefill_tile(head_dim, info.max_smem_per_block)
         smem = prefill_smem_bytes(block_m, block_n, head_dim)
