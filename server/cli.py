@@ -93,7 +93,7 @@ def cmd_plugins(args) -> int:
 
 
 def cmd_kernels(args) -> int:
-    from heron.core.kernels import run_check
+    from heron.core.kernel_check import run_check
     return run_check(tuple(args.arch))
 
 

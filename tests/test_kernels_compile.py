@@ -6,8 +6,9 @@ import io
 
 import pytest
 
-from heron.core import kernels
-from heron.core.kernels import KernelFile, check_kernels, compiler_available, load_source
+from heron.core import kernel_check, kernels
+from heron.core.kernel_check import check_kernels, compiler_available
+from heron.core.kernels import KernelFile, load_source
 
 needs_compiler = pytest.mark.skipif(
     compiler_available() is None,
@@ -27,10 +28,10 @@ def test_every_registered_kernel_compiles(core_results):
     files = {r.file for r in results}
     assert {f.split("/")[-1] for f in files} >= {
         "norm.cu", "activation.cu", "rotary.cu", "cache.cu", "attention_decode.cu",
-        "attention_prefill.cu"}
+        "attention_prefill.cu", "attention_prefill_mma.cu"}
     assert len(results) == len(files) * len(ARCHS)
     failed = [r for r in results if not r.ok]
-    assert not failed, kernels.format_check(failed)
+    assert not failed, kernel_check.format_check(failed)
 
 
 def _broken(tmp_path, body: str, header: str | None = None) -> KernelFile:
@@ -94,9 +95,9 @@ def test_defines_reach_the_compiler(tmp_path):
 
 @needs_compiler
 def test_run_check_prints_one_line_per_file_and_arch(core_results, monkeypatch):
-    monkeypatch.setattr(kernels, "check_kernels", lambda archs: core_results)  # compiled once
+    monkeypatch.setattr(kernel_check, "check_kernels", lambda archs: core_results)  # compiled once
     out = io.StringIO()
-    assert kernels.run_check(ARCHS, out=out) == 0
+    assert kernel_check.run_check(ARCHS, out=out) == 0
     lines = [ln for ln in out.getvalue().splitlines() if ln.startswith(("ok", "FAIL"))]
     assert len(lines) == len(kernels.registered_kernel_files()) * len(ARCHS)
 
