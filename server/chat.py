@@ -54,14 +54,13 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
 async def _stream(request: web.Request, req: ChatCompletionRequest,
                   gen: Generation) -> web.StreamResponse:
     events = EventStream(request)
-    await events.start()
     text_of = token_id_text if req.return_tokens_as_token_ids else request.app[TOKEN_TEXTS]
 
     def chunk(choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=gen.id, created=gen.created, model=gen.model,
                                    choices=choices)
 
-    try:
+    async def produce() -> ChatCompletionChunk | None:
         await events.send(chunk([ChatChunkChoice(index=c.index,
                                                  delta=ChatDelta(role="assistant", content=""))
                                  for c in sorted(gen.choices.values(), key=lambda c: c.index)]))
@@ -70,7 +69,7 @@ async def _stream(request: web.Request, req: ChatCompletionRequest,
             for sd in delta.seqs:
                 if sd.finish_reason in ("error", "abort"):
                     await events.fail(gen.failure())
-                    return events.response
+                    return None
                 logprobs = (ChatLogprobs(content=chat_logprobs(sd.logprobs or [], text_of))
                             if req.logprobs and sd.token_ids else None)
                 if sd.text or logprobs or sd.finish_reason:
@@ -81,13 +80,10 @@ async def _stream(request: web.Request, req: ChatCompletionRequest,
                         stop_reason=sd.stop_reason))
             if choices:
                 await events.send(chunk(choices))
-        if req.stream_options is not None and req.stream_options.include_usage:
-            final = chunk([])
-            final.usage = gen.usage()
-            await events.send(final)
-        await events.finish()
-    except ConnectionResetError:
-        pass  # the client left; leaving the Generation aborts what still runs
-    except Exception as e:  # after the status line: say so in the stream
-        await events.fail_after_error(e)
-    return events.response
+        if req.stream_options is None or not req.stream_options.include_usage:
+            return None
+        final = chunk([])
+        final.usage = gen.usage()
+        return final
+
+    return await events.run(produce)

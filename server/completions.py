@@ -85,11 +85,11 @@ class _View:
 
     async def stream(self, gen: Generation) -> web.StreamResponse:
         events = EventStream(self.request)
-        await events.start()
         n = gen.params.n
         sent_chars = {c.index: 0 for c in gen.choices.values()}
         echoed: set[int] = set()
-        try:
+
+        async def produce() -> CompletionResponse | None:
             async for p, delta in gen.deltas():
                 if self.req.echo and p not in echoed and (self.req.logprobs is None
                                                           or p in gen.prompt_logprobs):
@@ -105,7 +105,7 @@ class _View:
                     c = gen.choices[(p, sd.index)]
                     if sd.finish_reason in ("error", "abort"):
                         await events.fail(gen.failure())
-                        return events.response
+                        return None
                     text, logprobs = ("", None) if self.score_only else (sd.text, None)
                     if self.req.logprobs is not None and not self.score_only:
                         logprobs = completion_logprobs(sd.logprobs or [], self.text_of,
@@ -118,13 +118,10 @@ class _View:
                             stop_reason=None if self.score_only else sd.stop_reason))
                 if chunks:
                     await events.send(self._chunk(gen, chunks))
-            if self.req.stream_options is not None and self.req.stream_options.include_usage:
-                final = self._chunk(gen, [])
-                final.usage = gen.usage(count_completion=not self.score_only)
-                await events.send(final)
-            await events.finish()
-        except ConnectionResetError:
-            pass  # the client left; leaving the Generation aborts what still runs
-        except Exception as e:  # after the status line: say so in the stream
-            await events.fail_after_error(e)
-        return events.response
+            if self.req.stream_options is None or not self.req.stream_options.include_usage:
+                return None
+            final = self._chunk(gen, [])
+            final.usage = gen.usage(count_completion=not self.score_only)
+            return final
+
+        return await events.run(produce)

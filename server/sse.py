@@ -7,6 +7,8 @@ with an ``{"error": {...}}`` event (which the openai client raises as an APIErro
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import msgspec
 import structlog
 from aiohttp import web
@@ -26,6 +28,7 @@ class EventStream:
             "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no",  # proxies must not hold events back
         })
+        self.is_finished = False
 
     async def start(self) -> None:
         await self.response.prepare(self.request)
@@ -39,8 +42,31 @@ class EventStream:
         await self.finish()
 
     async def finish(self) -> None:
+        self.is_finished = True
         await self.response.write(_DONE)
         await self.response.write_eof()
+
+    async def run(self, produce: Callable[[], Awaitable[msgspec.Struct | None]]
+                  ) -> web.StreamResponse:
+        """Start the stream, let ``produce`` send its events, then end with ``[DONE]``.
+
+        ``produce`` returns a last chunk to send first (the usage chunk) or None, and may end
+        the stream itself with `fail`. An exception after the start ends the stream with an
+        error event; a client that went away ends it quietly (leaving the Generation aborts
+        what still runs).
+        """
+        await self.start()
+        try:
+            final = await produce()
+            if not self.is_finished:
+                if final is not None:
+                    await self.send(final)
+                await self.finish()
+        except ConnectionResetError:
+            pass
+        except Exception as e:  # after the status line: say so in the stream
+            await self.fail_after_error(e)
+        return self.response
 
     async def fail_after_error(self, e: Exception) -> None:
         """End the stream after an exception in its handler (APIErrors are sent as they are)."""

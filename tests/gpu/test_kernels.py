@@ -188,26 +188,6 @@ def test_prefill_dispatch(monkeypatch):
     assert names == ["paged_prefill_mma_kernel", "paged_prefill_kernel"]
 
 
-def test_decode_in_cuda_graph():
-    """Captured once, replayed after the lengths change in place (the engine's graph use)."""
-    from heron.core.ops import cuda as cuda_ops
-
-    case = cases.make_paged_case([1] * 4, [100, 200, 300, 50], block_size=16, dtype=torch.bfloat16,
-                                 device=DEV, max_seq_len=1024, **LLAMA)
-    args = (case.q, case.k_cache, case.v_cache, case.meta, case.scale)
-    cuda_ops.paged_attention(*args)  # compile and load outside capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = cuda_ops.paged_attention(*args)
-    case.meta.seq_lens.copy_(torch.tensor([90, 10, 300, 1], dtype=torch.int32))
-    case.meta.seq_lens_list = [90, 10, 300, 1]
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    cases.assert_close(out, cases.reference_attention(case), torch.bfloat16, "graph replay")
-
-
 def test_public_ops_dispatch_to_cuda():
     """heron.core.ops routes CUDA tensors to the kernels (one smoke call per op)."""
     from heron.core import ops
