@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup model test serve bench kernels-check clean
+.PHONY: setup model test serve bench bench-multiturn kernels-check clean
 
 setup: $(STAMP) model
 
@@ -28,6 +28,9 @@ serve: setup
 
 bench: setup
 	$(BIN)/python bench/offline.py
+
+bench-multiturn: setup
+	$(BIN)/python bench/multiturn.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -182,7 +182,7 @@ def main() -> None:
             print("heron decode", r, flush=True)
         results["heron"]["prefill"] = heron_prefill(engine, args.prefill, config["vocab_size"])
         print("heron prefill", results["heron"]["prefill"], flush=True)
-        assert engine.block_pool.num_used_blocks == 0
+        assert engine.num_blocks_in_use == 0
         del engine
         gc.collect()
         if device.type == "cuda":

@@ -77,6 +77,12 @@ class EngineStats:
     num_requests_waiting: int = 0
     num_kv_blocks_total: int = 0
     num_kv_blocks_in_use: int = 0
+    num_kv_blocks_cached: int = 0
+    num_requests_swapped: int = 0
+    # cumulative counts
+    num_preemptions: int = 0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
 
 
 Sink = Callable[[RequestDelta], None]
@@ -89,6 +95,7 @@ class _Pending:
     params: SamplingParams
     sink: Sink
     accepted: asyncio.Future
+    tenant: str
 
 
 class _DeltaCopier:
@@ -185,7 +192,7 @@ class AsyncEngine:
     # -- commands (event loop thread) ------------------------------------------------------
 
     async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                  sink: Sink) -> None:
+                  sink: Sink, *, tenant: str = "") -> None:
         """Queue a request; returns once the engine accepted it (deltas then go to ``sink``)."""
         if not self.is_running:
             raise EngineStoppedError("the engine is not running")
@@ -194,7 +201,8 @@ class AsyncEngine:
         if self.stats.num_requests_waiting + len(self._pending) >= self.max_waiting_requests:
             raise QueueFullError(f"{self.max_waiting_requests} requests are already waiting")
         accepted = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = _Pending(request_id, prompt_ids, params, sink, accepted)
+        self._pending[request_id] = _Pending(request_id, prompt_ids, params, sink, accepted,
+                                             tenant)
         self._wake.set()
         await accepted
 
@@ -251,7 +259,7 @@ class AsyncEngine:
             if p.accepted.done():  # its caller was cancelled while waiting: nobody to serve
                 continue
             try:
-                self.engine.add_request(p.request_id, p.prompt_ids, p.params)
+                self.engine.add_request(p.request_id, p.prompt_ids, p.params, tenant=p.tenant)
             except Exception as e:  # the Engine's ValueError reaches the caller as is
                 p.accepted.set_exception(e)
                 continue
@@ -269,11 +277,17 @@ class AsyncEngine:
                 self._read_stats())
 
     def _read_stats(self) -> EngineStats:
-        sched = self.engine.scheduler
+        engine = self.engine
+        sched = engine.scheduler
         running = {s.request_id for s in sched.running}
-        waiting = {s.request_id for s in sched.waiting} - running
-        return EngineStats(len(running), len(waiting), self.engine.num_kv_blocks,
-                           self.engine.block_pool.num_used_blocks)
+        swapped = {s.request_id for s in sched.swapped} - running
+        waiting = {s.request_id for s in sched.waiting} - running - swapped
+        cache = engine.prefix_cache
+        return EngineStats(len(running), len(waiting), engine.num_kv_blocks,
+                           engine.num_blocks_in_use,
+                           cache.num_cached_blocks if cache is not None else 0, len(swapped),
+                           sched.num_preemptions, sched.prefix_queried_tokens,
+                           sched.prefix_hit_tokens)
 
     def _stop(self, request_id: str, reason: str, error: str | None) -> None:
         out = self.engine.abort(request_id)

@@ -2,6 +2,11 @@
 
 Pure bookkeeping (no tensors). Invariants: every refcount is >= 0; a block is on the free
 list iff its refcount is 0; ``num_free_blocks + num_used_blocks == num_blocks``.
+
+The prefix cache holds one reference on each block it caches and marks it with
+`set_cached`. A cached block whose only reference is the cache's is *evictable*: the pool
+counts those (`num_evictable_blocks`) so that the scheduler can tell in O(1) how many blocks
+it could get by evicting.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ class BlockPool:
             raise ValueError("num_blocks must be >= 1")
         self.num_blocks = num_blocks
         self._refcounts = [0] * num_blocks
+        self._cached = [False] * num_blocks
+        self._num_evictable = 0
         self._free: deque[int] = deque(range(num_blocks))
 
     @property
@@ -29,8 +36,16 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks nobody but the cache references."""
+        return self._num_evictable
+
     def refcount(self, block_id: int) -> int:
         return self._refcounts[block_id]
+
+    def is_cached(self, block_id: int) -> bool:
+        return self._cached[block_id]
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
@@ -51,6 +66,8 @@ class BlockPool:
                 raise BlockPoolError(f"cannot fork free block {b}")
         for b in blocks:
             self._refcounts[b] += 1
+            if self._cached[b] and self._refcounts[b] == 2:
+                self._num_evictable -= 1
         return list(blocks)
 
     def free(self, blocks: list[int]) -> None:
@@ -58,7 +75,21 @@ class BlockPool:
         for b, n in Counter(blocks).items():
             if self._refcounts[b] < n:
                 raise BlockPoolError(f"double free of block {b}")
+            if self._cached[b] and self._refcounts[b] == n:
+                raise BlockPoolError(f"block {b} is cached: uncache it before its last free")
         for b in blocks:
             self._refcounts[b] -= 1
             if self._refcounts[b] == 0:
                 self._free.append(b)
+            elif self._cached[b] and self._refcounts[b] == 1:
+                self._num_evictable += 1
+
+    def set_cached(self, block_id: int, cached: bool) -> None:
+        """Mark a referenced block as holding one reference of the prefix cache (or not)."""
+        if self._refcounts[block_id] <= 0:
+            raise BlockPoolError(f"cannot (un)cache free block {block_id}")
+        if self._cached[block_id] == cached:
+            raise BlockPoolError(f"block {block_id} is already {'' if cached else 'un'}cached")
+        self._cached[block_id] = cached
+        if self._refcounts[block_id] == 1:
+            self._num_evictable += 1 if cached else -1

@@ -62,6 +62,9 @@ class EngineConfig(_Section):
     max_num_batched_tokens: int = 1024
     chunked_prefill: bool = True
     cuda_graphs: bool = True
+    preemption: Literal["recompute", "swap"] = "recompute"
+    swap_space_gb: float = 4.0
+    num_swap_blocks: int | None = None
 
     def _checks(self):
         return (
@@ -71,7 +74,15 @@ class EngineConfig(_Section):
             ("kv_cache_memory_gb", self.kv_cache_memory_gb > 0, "must be > 0"),
             ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, "must be >= 1"),
+            ("swap_space_gb", self.swap_space_gb > 0, "must be > 0"),
+            ("num_swap_blocks", self.num_swap_blocks is None or self.num_swap_blocks >= 1,
+             "must be >= 1"),
         )
+
+
+class PrefixCacheConfig(_Section):
+    enabled: bool = True
+    eviction: Literal["lru"] = "lru"
 
 
 class ServerConfig(_Section):
@@ -105,6 +116,7 @@ class LoggingConfig(_Section):
 class Config(_Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    prefix_cache: PrefixCacheConfig = msgspec.field(default_factory=PrefixCacheConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
 

@@ -15,16 +15,18 @@ from heron.core.batch_builder import BatchBuilder
 from heron.core.block_pool import BlockPool
 from heron.core.config import Config
 from heron.core.device import resolve_device
-from heron.core.kv_cache import allocate_cache, num_kv_blocks_for
+from heron.core.kv_cache import (allocate_cache, allocate_host_kv, copy_blocks,
+                                 num_kv_blocks_for, num_swap_blocks_for)
 from heron.core.model_loader import load_model
 from heron.core.outputs import RequestOutput
 from heron.core.plugins import PluginManager
+from heron.core.prefix_cache import Namespace, PrefixCache
 from heron.core.request import RequestState, SeqOutput
 from heron.core.logprobs import prompt_logprobs
 from heron.core.sampler import Sampler
 from heron.core.sampling_params import SamplingParams
 from heron.core.scheduler import Scheduler
-from heron.core.sequence import Sequence
+from heron.core.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +52,23 @@ class Engine:
         spec = self.runner.cache_spec()
         engine = config.engine
         self.num_kv_blocks = num_kv_blocks_for(spec, engine, self.dtype)
-        self.runner.bind_cache(allocate_cache(spec, engine, self.num_kv_blocks,
-                                              engine.max_num_seqs, self.dtype, self.device))
+        self.cache = allocate_cache(spec, engine, self.num_kv_blocks, engine.max_num_seqs,
+                                    self.dtype, self.device)
+        self.runner.bind_cache(self.cache)
         self.block_pool = BlockPool(self.num_kv_blocks)
-        self.scheduler = Scheduler(engine, self.block_pool)
+        # NOTE: per-sequence states (SSM) are not in the KV blocks: reusing, swapping or
+        # forking KV alone would be wrong for such families, so they get none of these
+        stateless = not spec.states
+        self.prefix_cache = (PrefixCache(self.block_pool, engine.block_size,
+                                         config.prefix_cache.eviction)
+                             if config.prefix_cache.enabled and stateless else None)
+        self.host_kv, host_pool = None, None
+        if engine.preemption == "swap" and stateless:
+            num_swap = num_swap_blocks_for(spec, engine, self.dtype)
+            self.host_kv = allocate_host_kv(self.cache.kv, num_swap)
+            host_pool = BlockPool(num_swap)
+        self._share_prompt = stateless
+        self.scheduler = Scheduler(engine, self.block_pool, self.prefix_cache, host_pool)
         self.sampler = Sampler(info.eos_token_ids)
         self.batch_builder = BatchBuilder(engine.block_size, self.device)
         self.graphs = None
@@ -72,8 +87,12 @@ class Engine:
     # -- requests ------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None) -> None:
-        """Queue a request. Raises ValueError for a prompt or params the engine cannot serve."""
+                    params: SamplingParams | None = None, *, tenant: str = "") -> None:
+        """Queue a request. Raises ValueError for a prompt or params the engine cannot serve.
+
+        Requests share prefix-cache blocks only with requests of the same ``tenant``. With
+        ``n > 1`` the first sequence computes the prompt and the others fork from it.
+        """
         params = params or SamplingParams()
         params.validate()
         if request_id in self._requests:
@@ -82,8 +101,10 @@ class Engine:
         self._check_fits(prompt_ids, params)
         arrival = next(self._arrivals)
         seqs, outputs = [], []
+        namespace = Namespace(tenant=tenant)
         for index in range(params.n):
-            seq = Sequence(next(self._seq_ids), request_id, prompt_ids, params, arrival)
+            seq = Sequence(next(self._seq_ids), request_id, prompt_ids, params, arrival,
+                           namespace)
             if params.seed is not None:
                 seq.generator = torch.Generator(self.device).manual_seed(params.seed + index)
             seqs.append(seq)
@@ -94,6 +115,10 @@ class Engine:
         for seq, out in zip(seqs, outputs):
             self._by_seq[seq.seq_id] = state
             self._outputs[seq.seq_id] = out
+        if self._share_prompt:
+            state.unforked = seqs[1:]
+            seqs = seqs[:1]
+        for seq in seqs:
             self.scheduler.add(seq)
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
@@ -145,16 +170,24 @@ class Engine:
     def num_requests(self) -> int:
         return len(self._requests)
 
+    @property
+    def num_blocks_in_use(self) -> int:
+        """KV blocks live sequences reference (cached blocks nobody uses are not counted)."""
+        return self.block_pool.num_used_blocks - self.block_pool.num_evictable_blocks
+
     # -- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         for seq in sched.preempted:
             self._free_family_state(seq)
+        if self.host_kv is not None:
+            copy_blocks(self.cache.kv, self.host_kv, sched.swap_out)
+            copy_blocks(self.host_kv, self.cache.kv, sched.swap_in)
         if not sched.scheduled:
             return []
         for item in sched.scheduled:
-            if item.seq.family_state is None and item.seq.num_computed_tokens == 0:
+            if item.seq.family_state is None:
                 item.seq.family_state = self.runner.alloc_sequence(item.seq)
         touched: dict[str, RequestState] = {}
         pl_seqs: set[int] = set()
@@ -177,9 +210,10 @@ class Engine:
             for state in touched.values():
                 for out in state.outputs:
                     out.finish("error", error=f"model step failed: {e}")
-                self._retire(state)
+                self._retire(state, cache=False)
             return [s.snapshot() for s in touched.values()]
         self._postprocess(sched.scheduled, pl_seqs, logits)
+        self._cache_new_blocks(sched.scheduled)
         outputs = []
         for state in touched.values():
             if state.finished:
@@ -190,6 +224,7 @@ class Engine:
     def _postprocess(self, scheduled, pl_seqs: set[int], logits: torch.Tensor) -> None:
         row = 0
         sample_rows, sample_seqs = [], []
+        forks: list[RequestState] = []
         for item in scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
@@ -199,12 +234,19 @@ class Engine:
                 self._add_prompt_logprobs(seq, logits[row:row + num], start)
                 row += num
             if seq.num_computed_tokens == len(seq.token_ids):
+                state = self._by_seq[seq.seq_id]
+                if state.unforked and seq is state.seqs[0]:
+                    forks.append(state)  # siblings sample their first token from this row
+                    sample_rows += [row] * len(state.unforked)
+                    sample_seqs += state.unforked
                 sample_rows.append(row)
                 sample_seqs.append(seq)
                 row += 1
         if not sample_seqs:
             return
         result = self.sampler.sample(logits[sample_rows], sample_seqs)
+        for state in forks:
+            self._fork_siblings(state)
         failed = set(result.failed_rows)
         for i, seq in enumerate(sample_seqs):
             out = self._outputs[seq.seq_id]
@@ -217,6 +259,26 @@ class Engine:
             if out.out.finish_reason is not None:
                 self._finish_seq(seq)
 
+    def _fork_siblings(self, state: RequestState) -> None:
+        """The first sequence computed the prompt: its siblings take its KV (copy on write)."""
+        parent = state.seqs[0]
+        self.scheduler.cache_computed(parent)  # shared blocks must be cached ones (paths)
+        copies = [c for child in state.unforked
+                  if (c := self.scheduler.fork(parent, child)) is not None]
+        copy_blocks(self.cache.kv, self.cache.kv, copies)
+        state.unforked = []
+
+    def _cache_new_blocks(self, scheduled) -> None:
+        """Offer the blocks this step filled to the prefix cache, so that requests arriving
+        while these still run can share them."""
+        bs = self.config.engine.block_size
+        for item in scheduled:
+            seq = item.seq
+            done = seq.num_computed_tokens
+            if (seq.status is SequenceStatus.RUNNING
+                    and done // bs > (done - item.num_tokens) // bs):
+                self.scheduler.cache_computed(seq)
+
     def _add_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, start: int) -> None:
         state = self._by_seq[seq.seq_id]
         if seq is not state.seqs[0] or logits.shape[0] == 0:
@@ -227,14 +289,14 @@ class Engine:
         skip = max(0, done - start)
         state.prompt_logprobs += entries[skip:]
 
-    def _finish_seq(self, seq: Sequence) -> None:
+    def _finish_seq(self, seq: Sequence, *, cache: bool = True) -> None:
         """Free a sequence's blocks and family state as soon as its output is final."""
-        self.scheduler.finish(seq)
+        self.scheduler.finish(seq, cache=cache)
         self._free_family_state(seq)
 
-    def _retire(self, state: RequestState) -> None:
+    def _retire(self, state: RequestState, *, cache: bool = True) -> None:
         for seq in state.seqs:
-            self._finish_seq(seq)
+            self._finish_seq(seq, cache=cache)
             self._by_seq.pop(seq.seq_id, None)
             self._outputs.pop(seq.seq_id, None)
         self._requests.pop(state.request_id, None)

@@ -29,3 +29,29 @@ def allocate_cache(spec: CacheSpec, engine: EngineConfig, num_blocks: int, num_s
         cache.states[state.name] = torch.zeros(num_slots, *state.shape,
                                                dtype=state.dtype or dtype, device=device)
     return cache
+
+
+def num_swap_blocks_for(spec: CacheSpec, engine: EngineConfig, dtype: torch.dtype) -> int:
+    """``engine.num_swap_blocks`` when set, else as many blocks as ``swap_space_gb`` holds."""
+    if engine.num_swap_blocks is not None:
+        return engine.num_swap_blocks
+    per_block = spec.kv.bytes_per_block(engine.block_size, dtype)
+    return max(1, int(engine.swap_space_gb * 2**30) // per_block)
+
+
+def allocate_host_kv(device_kv: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """A host-memory twin of ``device_kv`` with ``num_blocks`` blocks (pinned beside CUDA, so
+    that swaps are plain DMA copies)."""
+    shape = list(device_kv.shape)
+    shape[2] = num_blocks
+    return torch.zeros(shape, dtype=device_kv.dtype, pin_memory=device_kv.is_cuda)
+
+
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """Copy whole KV blocks ``src[:, :, s]`` → ``dst[:, :, d]`` for each ``(s, d)`` in ``pairs``
+    (``src`` and ``dst`` may be the same tensor, or live on different devices)."""
+    if not pairs:
+        return
+    s_ids = torch.tensor([s for s, _ in pairs], device=src.device)
+    d_ids = torch.tensor([d for _, d in pairs], device=dst.device)
+    dst.index_copy_(2, d_ids, src.index_select(2, s_ids).to(dst.device))

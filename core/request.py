@@ -95,6 +95,7 @@ class RequestState:
         self.outputs = outputs
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
+        self.unforked: list[Sequence] = []  # siblings waiting for the first one's prompt
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -107,4 +108,5 @@ class RequestState:
 
     def snapshot(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt_token_ids,
-                             [o.out for o in self.outputs], self.prompt_logprobs)
+                             [o.out for o in self.outputs], self.prompt_logprobs,
+                             self.seqs[0].num_cached_tokens or 0)

@@ -1,19 +1,27 @@
 """Continuous batching: each step, a token budget's worth of decodes and prefill chunks.
 
-Policy (FCFS): running sequences first, in arrival order, each taking its next chunk (one
-token for a decode); then waiting sequences are admitted while the budget, the sequence
-limit and free blocks allow. When blocks run out, the most recently arrived running
-sequence is preempted by recompute: its blocks are freed and it goes back to the front of
-the waiting queue with no computed tokens. Pure bookkeeping: no tensors.
+Policy (FCFS): running sequences first, oldest first, each taking its next chunk (one token
+for a decode); then swapped-out sequences are brought back, then waiting sequences are
+admitted, while the budget, the sequence limit and the blocks allow. An admitted sequence
+starts after the longest prefix the prefix cache holds for it.
+
+When blocks run out (free blocks plus cached blocks nobody uses), the newest running
+sequence is preempted: with ``preemption = "swap"`` its blocks are copied to the host pool
+(``SchedulerOutput.swap_out``) and it waits in the swapped queue with its progress kept;
+otherwise, or when the host pool is full, by recompute: it goes back to the front of the
+waiting queue with no computed tokens (its written blocks stay in the prefix cache, so the
+recompute is mostly a cache hit). Pure bookkeeping: no tensors.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
 from heron.core.block_pool import BlockPool
 from heron.core.config import EngineConfig
+from heron.core.prefix_cache import PrefixCache
 from heron.core.sequence import Sequence, SequenceStatus
 
 
@@ -25,49 +33,107 @@ class ScheduledSeq:
 
 @dataclass
 class SchedulerOutput:
+    """One step's plan. The engine copies ``swap_out`` pairs (device block, host block), then
+    ``swap_in`` pairs (host block, device block), before it runs the batch."""
+
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
 
 
+def _age(seq: Sequence) -> tuple[int, int]:
+    return seq.arrival, seq.seq_id
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_pool: BlockPool) -> None:
+    def __init__(self, config: EngineConfig, block_pool: BlockPool,
+                 prefix_cache: PrefixCache | None = None,
+                 host_pool: BlockPool | None = None) -> None:
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.chunked_prefill
         self.block_pool = block_pool
+        self.prefix_cache = prefix_cache
+        self.host_pool = host_pool  # set: preempt by swap while it has room
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest first: the last is the next victim
         self.num_preemptions = 0
+        self.prefix_queried_tokens = 0  # tokens looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # of those, tokens whose KV was reused
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.swapped or self.running)
+
+    # -- blocks ------------------------------------------------------------------------------
 
     def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         total = seq.num_computed_tokens + num_tokens
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
+    def _can_allocate(self, num_blocks: int) -> bool:
+        pool = self.block_pool
+        return num_blocks <= pool.num_free_blocks + pool.num_evictable_blocks
+
+    def _allocate(self, num_blocks: int) -> list[int]:
+        short = num_blocks - self.block_pool.num_free_blocks
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
+        return self.block_pool.allocate(num_blocks)
+
     def _release(self, seq: Sequence) -> None:
         self.block_pool.free(seq.block_table)
         seq.block_table = []
 
+    def cache_computed(self, seq: Sequence) -> None:
+        """Offer the whole blocks of ``seq``'s written KV to the prefix cache."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(seq.namespace, seq.token_ids, seq.block_table,
+                                     seq.num_computed_tokens)
+
+    def _match(self, seq: Sequence) -> bool:
+        """Start a sequence being admitted after its longest cached prefix; False when it
+        may not use the cache (its prompt logprobs need every prompt position computed)."""
+        if self.prefix_cache is None or seq.params.prompt_logprobs is not None:
+            return False
+        # at least one token must run, to give the logits of the next
+        seq.block_table = self.prefix_cache.match(seq.namespace, seq.token_ids,
+                                                  len(seq.token_ids) - 1)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        return True
+
+    # -- preemption --------------------------------------------------------------------------
+
     def _preempt_last(self, out: SchedulerOutput) -> Sequence:
         seq = self.running.pop()
-        self._release(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.cache_computed(seq)
+        host = self.host_pool
+        if host is not None and host.can_allocate(len(seq.block_table)):
+            seq.host_block_table = host.allocate(len(seq.block_table))
+            out.swap_out += zip(seq.block_table, seq.host_block_table)
+            self._release(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.appendleft(seq)
+        else:
+            self._release(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
         out.preempted.append(seq)
         self.num_preemptions += 1
         return seq
+
+    # -- the step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -81,41 +147,109 @@ class Scheduler:
             if num_tokens == 0:
                 continue
             needed = self._blocks_needed(seq, num_tokens)
-            while not self.block_pool.can_allocate(needed):
+            while not self._can_allocate(needed):
                 if self._preempt_last(out) is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.block_table += self.block_pool.allocate(needed)
+            seq.block_table += self._allocate(needed)
             out.scheduled.append(ScheduledSeq(seq, num_tokens))
             budget -= num_tokens
         if out.preempted:
-            return out  # admitting now would only be preempted again
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            num_tokens = seq.num_uncomputed_tokens
-            if num_tokens > budget:
-                if not self.chunked_prefill:
-                    break
-                num_tokens = budget
-            needed = self._blocks_needed(seq, num_tokens)
-            if not self.block_pool.can_allocate(needed):
-                break
-            self.waiting.popleft()
-            seq.block_table += self.block_pool.allocate(needed)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, num_tokens))
-            budget -= num_tokens
+            return out  # bringing others in now would only preempt again
+        budget = self._swap_in(out, budget)
+        if self.swapped:
+            return out  # the swapped are older than anything waiting
+        self._admit(out, budget)
         return out
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence and free its blocks. Idempotent."""
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            needed = self._blocks_needed(seq, num_tokens)
+            if not self._can_allocate(needed):
+                break
+            self.swapped.popleft()
+            seq.block_table = self._allocate(needed)
+            out.swap_in += zip(seq.host_block_table, seq.block_table)
+            # NOTE: safe to free before the copy: no step both swaps out and swaps in
+            self.host_pool.free(seq.host_block_table)
+            seq.host_block_table = []
+            self._run(seq, num_tokens, out)
+            budget -= num_tokens
+        return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            looked_up = self._match(seq)
+            num_tokens = seq.num_uncomputed_tokens
+            if num_tokens > budget and self.chunked_prefill:
+                num_tokens = budget
+            needed = self._blocks_needed(seq, num_tokens)
+            if num_tokens > budget or not self._can_allocate(needed):
+                self._release(seq)  # what the lookup took (the retry looks up afresh)
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            cached = seq.num_computed_tokens
+            if looked_up:
+                self.prefix_queried_tokens += len(seq.token_ids)
+                self.prefix_hit_tokens += cached
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
+            seq.block_table += self._allocate(needed)
+            self._run(seq, num_tokens, out)
+            budget -= num_tokens
+
+    def _run(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> None:
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=_age)
+        out.scheduled.append(ScheduledSeq(seq, num_tokens))
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give ``child`` (a sibling of ``parent`` with the same prompt, not yet scheduled)
+        ``parent``'s computed KV: whole blocks shared, the partly filled last block copied
+        (the child will write its own tokens there). Returns the copy the engine must make
+        now, as (source block, destination block), or None.
+
+        Without a free seat or block, the child waits to be computed from scratch instead
+        (mostly a prefix-cache hit).
+        """
+        computed = parent.num_computed_tokens
+        whole, partial = divmod(computed, self.block_size)
+        if len(self.running) >= self.max_num_seqs or not self._can_allocate(int(partial > 0)):
+            child.num_cached_tokens = 0
+            self.add(child)
+            return None
+        child.block_table = self.block_pool.fork(parent.block_table[:whole])
+        copy = None
+        if partial:
+            copy = (parent.block_table[whole], self._allocate(1)[0])
+            child.block_table.append(copy[1])
+        child.num_computed_tokens = computed
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, child, key=_age)
+        return copy
+
+    def finish(self, seq: Sequence, *, cache: bool = True) -> None:
+        """Remove a finished or aborted sequence and free its blocks. Idempotent.
+
+        With ``cache``, its written blocks are offered to the prefix cache first (not for a
+        sequence whose last step failed)."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.host_pool.free(seq.host_block_table)
+            seq.host_block_table = []
+        elif seq in self.waiting:  # a sibling never scheduled is in no queue
             self.waiting.remove(seq)
-        else:
-            return
+        if cache and seq.block_table:
+            self.cache_computed(seq)
         self._release(seq)
         seq.status = SequenceStatus.FINISHED

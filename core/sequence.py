@@ -5,12 +5,14 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+from heron.core.prefix_cache import Namespace
 from heron.core.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted, its KV in host memory
     FINISHED = "finished"
 
 
@@ -19,7 +21,11 @@ class Sequence:
 
     ``token_ids`` holds the prompt followed by the generated tokens. ``num_computed_tokens``
     counts the leading tokens whose KV is written in the blocks of ``block_table``; the
-    scheduler moves it forward, preemption by recompute resets it to zero.
+    scheduler moves it forward, preemption by recompute resets it to zero; a prefix-cache
+    hit starts it at the number of tokens reused. ``namespace`` scopes the cache lookups and
+    inserts of this sequence. ``num_cached_tokens`` is None until the sequence is first
+    admitted, then the number of prompt tokens that admission reused from the cache.
+    ``host_block_table`` holds its KV while it is swapped out.
     ``family_state`` is whatever the model family's ``alloc_sequence`` returned; the engine
     never looks inside it.
     """
@@ -27,10 +33,12 @@ class Sequence:
     __slots__ = (
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_table", "status", "params", "arrival", "family_state", "generator",
+        "namespace", "num_cached_tokens", "host_block_table",
     )
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams, arrival: int) -> None:
+                 params: SamplingParams, arrival: int,
+                 namespace: Namespace = Namespace()) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -42,6 +50,9 @@ class Sequence:
         self.arrival = arrival
         self.family_state: Any = None
         self.generator: Any = None  # torch.Generator for seeded sampling, set by the engine
+        self.namespace = namespace
+        self.num_cached_tokens: int | None = None
+        self.host_block_table: list[int] = []
 
     def __len__(self) -> int:
         return len(self.token_ids)

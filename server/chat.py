@@ -33,7 +33,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     check_fits(app, prompt_ids, max_tokens, "messages")
     params = sampling_params(req, max_tokens=max_tokens,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None)
-    async with Generation(request, "chatcmpl", [prompt_ids], params) as gen:
+    async with Generation(request, "chatcmpl", [prompt_ids], params, req.cache_salt) as gen:
         if req.stream:
             return await _stream(request, req, gen)
         await gen.run_to_end()

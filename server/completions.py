@@ -35,7 +35,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
                              prompt_logprobs=req.logprobs if req.echo else None)
     view = _View(request, req, texts, prompts, score_only)
-    async with Generation(request, "cmpl", prompts, params) as gen:
+    async with Generation(request, "cmpl", prompts, params, req.cache_salt) as gen:
         if req.stream:
             return await view.stream(gen)
         await gen.run_to_end()

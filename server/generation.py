@@ -24,7 +24,7 @@ from heron.core.logprobs import TokenLogprobs
 from heron.core.sampling_params import SamplingParams
 from heron.server.appkeys import ASYNC_ENGINE, CONFIG, METRICS, MODEL_NAME
 from heron.server.errors import APIError
-from heron.server.middleware import arrival_of, request_id_of
+from heron.server.middleware import arrival_of, key_tenant_of, request_id_of
 from heron.server.responses import PromptTokensDetails, Usage
 
 log = structlog.get_logger("heron.server.requests")
@@ -51,7 +51,7 @@ class Generation:
     """The engine requests of one API call; see the module docstring for the contract."""
 
     def __init__(self, request: web.Request, kind: str, prompts: list[list[int]],
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, cache_salt: str | None = None) -> None:
         app = request.app
         self._request = request
         self.engine, self.metrics = app[ASYNC_ENGINE], app[METRICS]
@@ -60,6 +60,7 @@ class Generation:
         self.id = f"{kind}-{uuid.uuid4().hex}"
         self.request_id = request_id_of(request)
         self.kind, self.prompts, self.params = kind, prompts, params
+        self.tenant = _tenant(key_tenant_of(request), cache_salt or "")
         self.created = int(time.time())
         n = params.n
         self.choices = {(p, i): Choice(p * n + i, p) for p in range(len(prompts)) for i in range(n)}
@@ -81,7 +82,8 @@ class Generation:
                 rid = self._engine_id(p)
                 self._live.add(rid)
                 await self.engine.add(rid, prompt_ids, self.params,
-                                      lambda delta, p=p: self._queue.put_nowait((p, delta)))
+                                      lambda delta, p=p: self._queue.put_nowait((p, delta)),
+                                      tenant=self.tenant)
         except BaseException as e:
             self._abort_live()
             raise _admission_error(e, self.metrics) from None
@@ -154,7 +156,6 @@ class Generation:
                 choice.error = sd.error
         if delta.finished:
             self._live.discard(self._engine_id(p))
-            self.metrics.prefix_cache_hit_tokens.inc(delta.num_cached_tokens)
             for (q, _), choice in self.choices.items():  # stopped without a word: aborted
                 if q == p and choice.finish_reason is None:
                     choice.finish_reason = "abort"
@@ -184,6 +185,12 @@ class Generation:
                      total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(
                          cached_tokens=self.num_cached_tokens))
+
+
+def _tenant(key_tenant: str, cache_salt: str) -> str:
+    """Who may share cached KV: one tenant per (API key, salt); the key digest is hex, so the
+    separator keeps the pair unambiguous."""
+    return f"{key_tenant}|{cache_salt}" if key_tenant else cache_salt
 
 
 def _outcome(reason: str, aborted: bool) -> str:

@@ -1,8 +1,9 @@
 """Prometheus metrics: engine gauges read at scrape time, request counters and histograms.
 
 Each application owns its own registry, so several servers in one process (tests) do not
-collide. Gauges read the `EngineStats` snapshot the engine task publishes between steps;
-they never touch the engine itself (which another thread may be stepping).
+collide. Engine gauges and counters read the `EngineStats` snapshot the engine task
+publishes between steps; they never touch the engine itself (which another thread may be
+stepping).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from collections.abc import Callable
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, disable_created_metrics, generate_latest)
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from heron.core.async_engine import EngineStats
 
@@ -30,19 +33,21 @@ class Metrics:
              "num_requests_running"),
             ("heron_requests_waiting", "Requests queued, not yet running",
              "num_requests_waiting"),
+            ("heron_requests_swapped", "Requests with a sequence swapped out to host memory",
+             "num_requests_swapped"),
             ("heron_kv_blocks_total", "KV blocks in the pool", "num_kv_blocks_total"),
             ("heron_kv_blocks_in_use", "KV blocks referenced by live requests "
              "(evictable cached blocks not counted)", "num_kv_blocks_in_use"),
+            ("heron_kv_blocks_cached", "KV blocks held by the prefix cache (in use or not)",
+             "num_kv_blocks_cached"),
         ):
             Gauge(name, doc, registry=r).set_function(
                 lambda field=field: getattr(stats(), field))
+        r.register(_EngineCounters(stats))
         self.prompt_tokens = Counter("heron_prompt_tokens", "Prompt tokens of admitted "
                                      "requests", registry=r)
         self.generation_tokens = Counter("heron_generation_tokens", "Generated tokens",
                                          registry=r)
-        self.prefix_cache_hit_tokens = Counter("heron_prefix_cache_hit_tokens",
-                                               "Prompt tokens whose KV came from the prefix "
-                                               "cache", registry=r)
         self.requests_finished = Counter("heron_requests_finished", "Finished requests by "
                                          "finish reason", ["finish_reason"], registry=r)
         self.rejected = Counter("heron_requests_rejected", "Requests refused before admission "
@@ -57,3 +62,24 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineCounters(Collector):
+    """Counters the engine keeps itself, exported as they are at scrape time."""
+
+    _COUNTERS = (
+        ("heron_prefix_cache_queried_tokens", "Tokens looked up in the prefix cache",
+         "prefix_cache_queried_tokens"),
+        ("heron_prefix_cache_hit_tokens", "Looked-up tokens whose KV was reused from the "
+         "prefix cache", "prefix_cache_hit_tokens"),
+        ("heron_preemptions", "Sequences preempted because the KV pool ran dry",
+         "num_preemptions"),
+    )
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
+
+    def collect(self):
+        stats = self._stats()
+        for name, doc, field in self._COUNTERS:
+            yield CounterMetricFamily(name, doc, value=getattr(stats, field))

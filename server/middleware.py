@@ -3,11 +3,13 @@
 ``X-Request-Id``: a client's id is kept (bound to every log line of the request) and echoed;
 without one the server makes one. API keys: with ``server.api_keys`` set, every route but
 the open ones needs ``Authorization: Bearer <key>``; keys are compared in constant time and
-never logged.
+never logged. A request's key also names its prefix-cache tenant (`key_tenant_of`), so that
+clients with different keys never share cached KV.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import re
 import time
@@ -24,10 +26,16 @@ _SAFE_ID = re.compile(r"[\w.:/+=-]{1,128}")  # an id that cannot forge log lines
 
 _ID_KEY = web.RequestKey("request_id", str)
 _ARRIVAL_KEY = web.RequestKey("arrival_s", float)
+_KEY_TENANT = web.RequestKey("key_tenant", str)
 
 
 def request_id_of(request: web.Request) -> str | None:
     return request.get(_ID_KEY)
+
+
+def key_tenant_of(request: web.Request) -> str:
+    """A digest of the request's API key ("" when the server has no keys)."""
+    return request.get(_KEY_TENANT, "")
 
 
 def arrival_of(request: web.Request) -> float:
@@ -68,6 +76,7 @@ def auth_middleware(api_keys: list[str]):
                 raise APIError(401, "missing or invalid API key (send Authorization: Bearer "
                                "<key>)", code="invalid_api_key",
                                headers={"WWW-Authenticate": "Bearer"})
+            request[_KEY_TENANT] = hashlib.sha256(token).hexdigest()
         return await handler(request)
 
     return check_key

@@ -53,6 +53,8 @@ class SamplingFields(_Body, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
+    # prefix-cache isolation: only requests with the same salt share cached KV
+    cache_salt: Annotated[str, Meta(min_length=1)] | None = None
     # accepted and ignored: they do not change the output
     user: str | None = None
     metadata: dict[str, str] | None = None

@@ -34,3 +34,14 @@ class LogitsRecorder:
         for j, r in enumerate(batch.logits_indices.tolist()):
             self.rows[(owner[r], positions[r])] = logits[j].clone()
         return logits
+
+
+def assert_no_leaks(engine: Engine) -> None:
+    """Idle engine: no request left, every block either free or held by the cache alone."""
+    pool = engine.block_pool
+    cached = engine.prefix_cache.num_cached_blocks if engine.prefix_cache is not None else 0
+    assert not engine.has_unfinished() and engine.num_requests == 0
+    assert engine.num_blocks_in_use == 0
+    assert pool.num_used_blocks == pool.num_evictable_blocks == cached
+    host = engine.scheduler.host_pool
+    assert host is None or host.num_used_blocks == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from heron.core.sampling_params import SamplingParams
-from tests.engine_utils import make_engine
+from tests.engine_utils import assert_no_leaks, make_engine
 from tests.tiny_models import build_tiny
 
 
@@ -22,8 +22,7 @@ def engine(model_dir):
 
 
 def assert_idle(engine):
-    assert engine.block_pool.num_used_blocks == 0
-    assert not engine.has_unfinished() and engine.num_requests == 0
+    assert_no_leaks(engine)
 
 
 def sampled(**kw):
@@ -116,7 +115,7 @@ def test_abort_mid_prefill_and_mid_decode_frees_everything(engine):
     engine.add_request("a", [7] * 200, sampled(max_tokens=50))  # several prefill chunks
     engine.add_request("b", "The quick brown fox", sampled(max_tokens=50))
     engine.step()
-    assert engine.block_pool.num_used_blocks > 0
+    assert engine.num_blocks_in_use > 0
     aborted = engine.abort("a")
     assert aborted.outputs[0].finish_reason == "abort"
     for _ in range(3):
@@ -149,9 +148,9 @@ def test_a_family_fault_fails_only_that_step_and_frees(model_dir):
 
 
 def test_preempted_then_finished_requests_return_every_block(model_dir):
-    engine = make_engine(model_dir, **{"engine.block_size": 4, "engine.num_kv_blocks": 24})
+    engine = make_engine(model_dir, **{"engine.block_size": 4, "engine.num_kv_blocks": 24,
+                                       "prefix_cache.enabled": False})
     outs = engine.generate(["The quick brown fox"] * 6, sampled(max_tokens=40, seed=3))
     assert engine.scheduler.num_preemptions > 0
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     assert_idle(engine)
-    assert engine.block_pool.num_free_blocks == 24

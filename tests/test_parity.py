@@ -42,7 +42,7 @@ def run(path, prompts, **engine_overrides):
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True,
                             prompt_logprobs=0)
     outs = engine.generate(prompts, params)
-    assert engine.block_pool.num_used_blocks == 0
+    assert engine.num_blocks_in_use == 0
     return engine, recorder, outs
 
 

@@ -45,4 +45,4 @@ def test_answers_paris(engine):
     out = engine.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0))[0].outputs[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"  # ends on the model's own end-of-turn token
-    assert engine.block_pool.num_used_blocks == 0
+    assert engine.num_blocks_in_use == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from heron.core.block_pool import BlockPool
 from heron.core.config import EngineConfig
+from heron.core.prefix_cache import Namespace, PrefixCache
 from heron.core.sampling_params import SamplingParams
 from heron.core.scheduler import Scheduler
 from heron.core.sequence import Sequence, SequenceStatus
@@ -83,3 +84,25 @@ def test_finish_returns_every_block():
         sched.finish(s)
         sched.finish(s)  # idempotent
     assert pool.num_used_blocks == 0 and not sched.has_unfinished()
+
+
+def test_a_failed_admission_releases_what_its_lookup_took():
+    cfg = EngineConfig(block_size=4, max_num_batched_tokens=64)
+    pool = BlockPool(6)
+    cache = PrefixCache(pool, 4)
+    sched = Scheduler(cfg, pool, cache)
+    prefix = pool.allocate(2)
+    cache.insert(Namespace(), list(range(8)), prefix, 8)
+    pool.free(prefix)  # cached, unused
+    hog = pool.allocate(4)
+    s = seq(0, 20)  # its first 8 tokens are cached; it needs 3 more blocks than that
+    sched.add(s)
+    for _ in range(3):  # each retry looks up afresh: no reference piles up
+        assert not sched.schedule().scheduled
+        assert [pool.refcount(b) for b in prefix] == [1, 1]
+        assert s.block_table == [] and s.num_computed_tokens == 0
+    pool.free(hog)
+    out = sched.schedule()
+    assert [(x.seq, x.num_tokens) for x in out.scheduled] == [(s, 12)]
+    assert s.block_table[:2] == prefix and s.num_cached_tokens == 8
+    assert (sched.prefix_queried_tokens, sched.prefix_hit_tokens) == (20, 8)

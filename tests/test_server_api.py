@@ -230,7 +230,11 @@ def test_metrics_count_tokens_and_return_to_idle(server, client):
             == out.usage.prompt_tokens)
     assert after["heron_kv_blocks_in_use"] == 0 and after["heron_requests_waiting"] == 0
     assert after["heron_kv_blocks_total"] == 256
-    assert after["heron_prefix_cache_hit_tokens_total"] == 0
+    delta = {k: after[k] - before.get(k, 0) for k in ("heron_prefix_cache_hit_tokens_total",
+                                                      "heron_prefix_cache_queried_tokens_total")}
+    assert delta["heron_prefix_cache_queried_tokens_total"] == out.usage.prompt_tokens
+    assert (delta["heron_prefix_cache_hit_tokens_total"]
+            == out.usage.prompt_tokens_details.cached_tokens)
     for name in ("heron_time_to_first_token_seconds", "heron_inter_token_latency_seconds",
                  "heron_e2e_request_latency_seconds"):
         assert after[f"{name}_count"] > before.get(f"{name}_count", 0)

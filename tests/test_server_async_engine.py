@@ -41,7 +41,7 @@ def run(engine, body, **kw):
             await driver.stop()
             assert driver.stats.num_kv_blocks_in_use == 0
     result = asyncio.run(main())
-    assert engine.block_pool.num_used_blocks == 0 and not engine.has_unfinished()
+    assert engine.num_blocks_in_use == 0 and not engine.has_unfinished()
     return result
 
 

@@ -56,7 +56,13 @@ def test_greedy_streaming_equals_whole_for_chat_and_completions(client):
         "include_usage": True}, **args))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content and text
-    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    usage = chunks[-1].usage
+    assert ((usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
+            == (whole.usage.prompt_tokens, whole.usage.completion_tokens,
+                whole.usage.total_tokens))
+    # the second call reuses the first one's prompt and answer blocks
+    assert (usage.prompt_tokens_details.cached_tokens
+            > whole.usage.prompt_tokens_details.cached_tokens)
     prompt = dict(model=args["model"], prompt="The Eiffel Tower is in", temperature=0.0,
                   max_tokens=12)
     whole = client.completions.create(**prompt)

@@ -34,7 +34,7 @@ def run(path, prompts, device, **overrides):
     recorder = LogitsRecorder(engine)
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
     outs = engine.generate(prompts, params)
-    assert engine.block_pool.num_used_blocks == 0
+    assert engine.num_blocks_in_use == 0
     return engine, recorder, [o.outputs[0].token_ids for o in outs], outs
 
 
@@ -79,4 +79,4 @@ def test_preemption_and_abort_on_cuda_free_everything(tiny):
     engine.add_request("a", prompts[3], SamplingParams(max_tokens=20, seed=1))
     engine.step()
     engine.abort("a")
-    assert engine.block_pool.num_used_blocks == 0
+    assert engine.num_blocks_in_use == 0
