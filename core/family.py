@@ -54,7 +54,12 @@ class ModelRunner(ABC):
 
     Lifecycle: `cache_spec` → the engine allocates → `bind_cache` → then per step
     `alloc_sequence` (first time a sequence is scheduled), `forward`, and `free_sequence`
-    (when a sequence finishes, aborts or is preempted by recompute).
+    (when a sequence finishes, aborts or is preempted).
+
+    The KV of a sequence may come from elsewhere: a prefix-cache hit, a sibling it forked
+    from (``n > 1``), or host memory after a swap. A family that declares per-sequence
+    states (``CacheSpec.states``) gets none of these, since the engine cannot rebuild a
+    state from KV blocks: its sequences always compute from their first token.
     """
 
     info: ModelInfo
@@ -73,7 +78,9 @@ class ModelRunner(ABC):
     def alloc_sequence(self, seq: Sequence) -> Any:
         """Return this family's per-sequence state (stored in ``seq.family_state``), or None.
 
-        Called when a sequence is (re)scheduled with no computed tokens.
+        Called when a sequence is scheduled without one: on admission (which may start after
+        a prefix-cache hit, with ``num_computed_tokens > 0``), after a preemption, after a
+        fork.
         """
         return None
 

@@ -46,3 +46,24 @@ def test_answers_paris(engine):
     assert "Paris" in out.text
     assert out.finish_reason == "stop"  # ends on the model's own end-of-turn token
     assert engine.num_blocks_in_use == 0
+
+
+def test_a_1000_token_shared_prefix_is_reused_with_the_same_greedy_output(default_gguf_path):
+    facts = [f"Rule {i}: visitors to hall {i % 7} must sign the register before {i + 8} o'clock."
+             for i in range(60)]
+    system = {"role": "system", "content": " ".join(facts)}
+    warm = make_engine(default_gguf_path, **{"engine.max_num_batched_tokens": 512})
+    cold = make_engine(default_gguf_path, **{"engine.max_num_batched_tokens": 512,
+                                             "prefix_cache.enabled": False})
+    prompts = [warm.tokenizer.encode(warm.tokenizer.apply_chat_template(
+        [system, {"role": "user", "content": q}]))
+        for q in ("Which hall closes first?", "Summarise rule 12.")]
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
+    assert shared >= 1000
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    assert warm.generate([prompts[0]], params)[0].num_cached_tokens == 0
+    second = warm.generate([prompts[1]], params)[0]
+    assert second.num_cached_tokens >= shared // 16 * 16
+    reference = cold.generate([prompts[1]], params)[0]
+    assert second.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert warm.num_blocks_in_use == 0
