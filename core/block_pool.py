@@ -5,8 +5,9 @@ list iff its refcount is 0; ``num_free_blocks + num_used_blocks == num_blocks``.
 
 The prefix cache holds one reference on each block it caches and marks it with
 `set_cached`. A cached block whose only reference is the cache's is *evictable*: the pool
-counts those (`num_evictable_blocks`) so that the scheduler can tell in O(1) how many blocks
-it could get by evicting.
+keeps those in the order they became so (`evictable_lru`), so that the scheduler can tell in
+O(1) how many blocks it could get by evicting and the cache can evict the least recently
+used first.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._refcounts = [0] * num_blocks
         self._cached = [False] * num_blocks
-        self._num_evictable = 0
+        self._evictable: dict[int, None] = {}  # insertion-ordered: least recently used first
         self._free: deque[int] = deque(range(num_blocks))
 
     @property
@@ -39,7 +40,11 @@ class BlockPool:
     @property
     def num_evictable_blocks(self) -> int:
         """Cached blocks nobody but the cache references."""
-        return self._num_evictable
+        return len(self._evictable)
+
+    def evictable_lru(self) -> int:
+        """The evictable block that became evictable longest ago."""
+        return next(iter(self._evictable))
 
     def refcount(self, block_id: int) -> int:
         return self._refcounts[block_id]
@@ -67,7 +72,7 @@ class BlockPool:
         for b in blocks:
             self._refcounts[b] += 1
             if self._cached[b] and self._refcounts[b] == 2:
-                self._num_evictable -= 1
+                del self._evictable[b]
         return list(blocks)
 
     def free(self, blocks: list[int]) -> None:
@@ -82,7 +87,7 @@ class BlockPool:
             if self._refcounts[b] == 0:
                 self._free.append(b)
             elif self._cached[b] and self._refcounts[b] == 1:
-                self._num_evictable += 1
+                self._evictable[b] = None
 
     def set_cached(self, block_id: int, cached: bool) -> None:
         """Mark a referenced block as holding one reference of the prefix cache (or not)."""
@@ -92,4 +97,7 @@ class BlockPool:
             raise BlockPoolError(f"block {block_id} is already {'' if cached else 'un'}cached")
         self._cached[block_id] = cached
         if self._refcounts[block_id] == 1:
-            self._num_evictable += 1 if cached else -1
+            if cached:
+                self._evictable[block_id] = None
+            else:
+                del self._evictable[block_id]

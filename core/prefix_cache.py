@@ -10,21 +10,19 @@ Ownership: the cache holds one pool reference on each node's block (marked with
 `match` takes the caller's references. A block is evicted only when the cache's reference
 is its last, so a block a sequence uses is never evicted.
 
-Two invariants make eviction exact and cheap:
+Two invariants make eviction exact and O(1) per block:
   - *paths*: the cached blocks a sequence holds are a path from the root (`insert` swaps a
     sequence's duplicate of a cached block for the cached one; whoever shares a sequence's
     blocks with another inserts them first). So a node whose block only the cache
     references heads a subtree that only the cache references, and
     ``pool.num_evictable_blocks`` is exactly what eviction can free.
-  - *ticks*: a lookup or insert stamps every node on its path with one tick, so a parent is
-    never older than its child; evicting in (tick, -depth) order therefore takes leaves
-    first (least recently used first).
+  - *tail first*: owners free a block table from its end. With *paths*, a child's last
+    holder drops it before its parent, so a child becomes evictable before its parent, and
+    evicting in the pool's least-recently-used order always takes a leaf.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from dataclasses import dataclass
 
 from heron.core.block_pool import BlockPool
@@ -39,15 +37,13 @@ class Namespace:
 
 
 class _Node:
-    __slots__ = ("key", "block", "parent", "children", "tick", "depth")
+    __slots__ = ("key", "block", "parent", "children")
 
-    def __init__(self, key, block: int, parent: _Node | None, depth: int) -> None:
+    def __init__(self, key, block: int, parent: _Node | None) -> None:
         self.key = key  # the block's tokens; the namespace for a root
         self.block = block  # -1 for a root
         self.parent = parent
         self.children: dict[tuple[int, ...], _Node] = {}
-        self.tick = 0
-        self.depth = depth
 
 
 class PrefixCache:
@@ -62,7 +58,6 @@ class PrefixCache:
         self.block_size = block_size
         self._roots: dict[Namespace, _Node] = {}
         self._nodes: dict[int, _Node] = {}  # block id -> its node
-        self._ticks = itertools.count(1)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -79,12 +74,10 @@ class PrefixCache:
         blocks: list[int] = []
         if node is None:
             return blocks
-        tick = next(self._ticks)
         for i in range(max_tokens // self.block_size):
             node = node.children.get(self._key(token_ids, i))
             if node is None:
                 break
-            node.tick = tick
             blocks.append(node.block)
         return self.pool.fork(blocks)
 
@@ -99,32 +92,32 @@ class PrefixCache:
         """
         root = self._roots.get(namespace)
         if root is None:
-            root = self._roots[namespace] = _Node(namespace, -1, None, 0)
-        node, tick = root, next(self._ticks)
+            root = self._roots[namespace] = _Node(namespace, -1, None)
+        node = root
         for i in range(num_tokens // self.block_size):
             key = self._key(token_ids, i)
             own = block_table[i]
             child = node.children.get(key)
             if child is None:
-                child = node.children[key] = _Node(key, own, node, node.depth + 1)
+                child = node.children[key] = _Node(key, own, node)
                 self._nodes[own] = child
                 self.pool.fork([own])
                 self.pool.set_cached(own, True)
             elif child.block != own:
                 block_table[i] = self.pool.fork([child.block])[0]
                 self.pool.free([own])
-            child.tick = tick
             node = child
         if not root.children:
             del self._roots[namespace]
 
     def evict(self, num_blocks: int) -> int:
-        """Free up to ``num_blocks`` blocks only the cache references; returns how many."""
+        """Free up to ``num_blocks`` blocks only the cache references, least recently used
+        first; returns how many."""
         pool = self.pool
-        candidates = [n for n in self._nodes.values() if pool.refcount(n.block) == 1]
-        victims = heapq.nsmallest(num_blocks, candidates, key=lambda n: (n.tick, -n.depth))
-        for node in victims:  # (tick, -depth) order: every node is a leaf by its turn
-            assert not node.children, "evicting a node with children"
+        num_blocks = min(num_blocks, pool.num_evictable_blocks)
+        for _ in range(num_blocks):
+            node = self._nodes[pool.evictable_lru()]
+            assert not node.children, "evicting a node with children (tail-first broken?)"
             parent = node.parent
             del parent.children[node.key]
             del self._nodes[node.block]
@@ -132,7 +125,7 @@ class PrefixCache:
             pool.free([node.block])
             if parent.parent is None and not parent.children:
                 del self._roots[parent.key]
-        return len(victims)
+        return num_blocks
 
     def clear(self) -> int:
         """Evict every block nobody else references; returns how many were freed."""

@@ -92,7 +92,7 @@ class Scheduler:
         return self.block_pool.allocate(num_blocks)
 
     def _release(self, seq: Sequence) -> None:
-        self.block_pool.free(seq.block_table)
+        self.block_pool.free(seq.block_table[::-1])  # tail first: see prefix_cache
         seq.block_table = []
 
     def cache_computed(self, seq: Sequence) -> None:

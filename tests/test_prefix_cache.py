@@ -67,11 +67,11 @@ def test_eviction_is_lru_takes_leaves_first_and_spares_referenced_blocks():
     old = write(pool, cache, A, list(range(8)))
     new = write(pool, cache, A, list(range(100, 108)))
     held = write(pool, cache, B, list(range(200, 208)))  # still held by its sequence
-    pool.free(old)
-    pool.free(new)
+    pool.free(old[::-1])  # owners release tail first
+    pool.free(new[::-1])
     assert pool.num_evictable_blocks == 4 and pool.num_free_blocks == 2
-    cache.match(A, list(range(100, 108)), 8)  # touch `new`
-    pool.free(new)
+    cache.match(A, list(range(100, 108)), 8)  # use `new` again
+    pool.free(new[::-1])
     assert cache.evict(1) == 1
     assert pool.refcount(old[1]) == 0 and pool.refcount(old[0]) == 1  # leaf of the LRU path
     assert cache.evict(10) == 3  # everything unreferenced, not the held blocks
@@ -134,7 +134,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert self.cache.namespace_of(b) == ns  # a match never crosses namespaces
         rest = -(-len(tokens) // BS) - len(table)
         if not self._ensure(rest):
-            self.pool.free(table)
+            self.pool.free(table[::-1])
             return
         table += self.pool.allocate(rest)
         self.seqs.append((ns, tokens, table))
@@ -160,7 +160,7 @@ class CacheMachine(RuleBasedStateMachine):
         ns, tokens, table = self.seqs.pop(pick % len(self.seqs))
         if insert:
             self.cache.insert(ns, tokens, table, len(tokens))
-        self.pool.free(table)
+        self.pool.free(table[::-1])  # tail first, as the scheduler does
 
     @rule(n=st.integers(1, NUM_BLOCKS))
     def evict(self, n):
@@ -194,7 +194,7 @@ class CacheMachine(RuleBasedStateMachine):
                 assert owner == ns
                 assert not seen_uncached, "a cached block below an uncached one"
                 path = self.cache.match(ns, tokens, (i + 1) * BS)
-                self.pool.free(path)
+                self.pool.free(path[::-1])
                 assert path[i] == b
 
 
