@@ -127,10 +127,6 @@ class PrefixCache:
                 del self._roots[parent.key]
         return num_blocks
 
-    def clear(self) -> int:
-        """Evict every block nobody else references; returns how many were freed."""
-        return self.evict(len(self._nodes))
-
     def namespace_of(self, block: int) -> Namespace | None:
         """The namespace a cached block belongs to (None when not cached)."""
         node = self._nodes.get(block)
