@@ -57,7 +57,9 @@ class Batch:
     positions: torch.Tensor         # [T] int64
     attn: AttentionMetadata
     logits_indices: torch.Tensor    # [R] int64
-    state_slots: torch.Tensor | None = None  # [B] int64, slot of each sequence's state
+    # families with per-sequence states: the slot of each sequence (device and host copies)
+    state_slots: torch.Tensor | None = None  # [B] int64
+    state_slots_list: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

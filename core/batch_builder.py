@@ -48,6 +48,9 @@ class BatchBuilder:
         for n in query_lens:
             qsl.append(qsl[-1] + n)
         dev = self.device
+        slot_list = [item.seq.state_slot for item in scheduled]
+        if None in slot_list:
+            slot_list = None
         attn = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
@@ -60,4 +63,7 @@ class BatchBuilder:
             input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
             positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
             attn=attn,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(dev, non_blocking=True))
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(dev, non_blocking=True),
+            state_slots=(None if slot_list is None else
+                         torch.tensor(slot_list, dtype=torch.int64).to(dev, non_blocking=True)),
+            state_slots_list=slot_list)

@@ -82,7 +82,19 @@ class EngineConfig(_Section):
 
 class PrefixCacheConfig(_Section):
     enabled: bool = True
-    eviction: Literal["lru"] = "lru"
+    eviction: Literal["lru", "flop_aware"] = "lru"
+    snapshot_admission: Literal["marconi", "every_block"] = "marconi"
+    snapshot_memory_gb: float = 0.25
+    num_snapshots: int | None = None
+    flop_weight: float = 1.0
+
+    def _checks(self):
+        return (
+            ("snapshot_memory_gb", self.snapshot_memory_gb > 0, "must be > 0"),
+            ("num_snapshots", self.num_snapshots is None or self.num_snapshots >= 1,
+             "must be >= 1"),
+            ("flop_weight", self.flop_weight >= 0, "must be >= 0"),
+        )
 
 
 class ServerConfig(_Section):

@@ -27,6 +27,7 @@ from heron.core.sampler import Sampler
 from heron.core.sampling_params import SamplingParams
 from heron.core.scheduler import Scheduler
 from heron.core.sequence import Sequence, SequenceStatus
+from heron.core.state_pool import StatePool, snapshot_bytes
 
 log = logging.getLogger(__name__)
 
@@ -51,24 +52,39 @@ class Engine:
                                  info.max_context_len)
         spec = self.runner.cache_spec()
         engine = config.engine
-        self.num_kv_blocks = num_kv_blocks_for(spec, engine, self.dtype)
+        self.num_kv_blocks = num_kv_blocks_for(spec, engine, self.dtype, self.max_model_len)
         self.cache = allocate_cache(spec, engine, self.num_kv_blocks, engine.max_num_seqs,
                                     self.dtype, self.device)
         self.runner.bind_cache(self.cache)
         self.block_pool = BlockPool(self.num_kv_blocks)
-        # NOTE: per-sequence states (SSM) are not in the KV blocks: reusing, swapping or
-        # forking KV alone would be wrong for such families, so they get none of these
+        # NOTE: per-sequence states (SSM) are not in the KV blocks: a prefix hit must restore
+        # a state snapshot too, and swapping or forking KV alone would be wrong, so
+        # families with states get snapshots and neither of the others
         stateless = not spec.states
-        self.prefix_cache = (PrefixCache(self.block_pool, engine.block_size,
-                                         config.prefix_cache.eviction)
-                             if config.prefix_cache.enabled and stateless else None)
+        cache_cfg = config.prefix_cache
+        self.states = None
+        if not stateless:
+            num_snapshots = 0
+            if cache_cfg.enabled:
+                num_snapshots = cache_cfg.num_snapshots or int(
+                    cache_cfg.snapshot_memory_gb * 2**30) // snapshot_bytes(spec, self.dtype)
+            self.states = StatePool(self.cache, engine.max_num_seqs, num_snapshots)
+        self.prefix_cache = None
+        if cache_cfg.enabled:
+            self.prefix_cache = PrefixCache(
+                self.block_pool, engine.block_size, cache_cfg.eviction,
+                snapshots=self.states.snapshot_pool if self.states else None,
+                flops_of=self.runner.prefix_flops, flop_weight=cache_cfg.flop_weight)
+            if self.states is not None:
+                self.states.prefix_cache = self.prefix_cache
         self.host_kv, host_pool = None, None
         if engine.preemption == "swap" and stateless:
             num_swap = num_swap_blocks_for(spec, engine, self.dtype)
             self.host_kv = allocate_host_kv(self.cache.kv, num_swap)
             host_pool = BlockPool(num_swap)
         self._share_prompt = stateless
-        self.scheduler = Scheduler(engine, self.block_pool, self.prefix_cache, host_pool)
+        self.scheduler = Scheduler(engine, self.block_pool, self.prefix_cache, host_pool,
+                                   cache_cfg.snapshot_admission)
         self.sampler = Sampler(info.eos_token_ids)
         self.batch_builder = BatchBuilder(engine.block_size, self.device)
         self.graphs = None
@@ -181,14 +197,20 @@ class Engine:
         sched = self.scheduler.schedule()
         for seq in sched.preempted:
             self._free_family_state(seq)
+            if self.states is not None:
+                self.states.release(seq, commit=False)
         if self.host_kv is not None:
             copy_blocks(self.cache.kv, self.host_kv, sched.swap_out)
             copy_blocks(self.host_kv, self.cache.kv, sched.swap_in)
         if not sched.scheduled:
             return []
         for item in sched.scheduled:
+            if self.states is not None:
+                self.states.acquire(item.seq)
             if item.seq.family_state is None:
                 item.seq.family_state = self.runner.alloc_sequence(item.seq)
+        for seq, snapshot in sched.restores:
+            self.states.restore(seq, snapshot)
         touched: dict[str, RequestState] = {}
         pl_seqs: set[int] = set()
         for item in sched.scheduled:
@@ -214,6 +236,7 @@ class Engine:
             return [s.snapshot() for s in touched.values()]
         self._postprocess(sched.scheduled, pl_seqs, logits)
         self._cache_new_blocks(sched.scheduled)
+        self._checkpoint_states(sched.scheduled)
         outputs = []
         for state in touched.values():
             if state.finished:
@@ -279,6 +302,18 @@ class Engine:
                     and done // bs > (done - item.num_tokens) // bs):
                 self.scheduler.cache_computed(seq)
 
+    def _checkpoint_states(self, scheduled) -> None:
+        """Snapshot the states the scheduler planned (or decode reached) for the prefix cache."""
+        if self.states is None or self.prefix_cache is None:
+            return
+        for item in scheduled:
+            seq = item.seq
+            if seq.status is SequenceStatus.RUNNING and (
+                    kind := self.scheduler.checkpoint_due(seq)) is not None:
+                if kind == "commit":
+                    self.scheduler.cache_computed(seq)  # the node the snapshot goes to
+                self.states.checkpoint(seq, kind)
+
     def _add_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, start: int) -> None:
         state = self._by_seq[seq.seq_id]
         if seq is not state.seqs[0] or logits.shape[0] == 0:
@@ -291,7 +326,13 @@ class Engine:
 
     def _finish_seq(self, seq: Sequence, *, cache: bool = True) -> None:
         """Free a sequence's blocks and family state as soon as its output is final."""
+        states = self.states
+        if (states is not None and cache and seq.state_slot is not None
+                and self.scheduler.checkpoint_due(seq) is not None):
+            states.checkpoint(seq, "pending")  # the last boundary it reached: cached below
         self.scheduler.finish(seq, cache=cache)
+        if states is not None:
+            states.release(seq, commit=cache)
         self._free_family_state(seq)
 
     def _retire(self, state: RequestState, *, cache: bool = True) -> None:

@@ -90,6 +90,11 @@ class ModelRunner(ABC):
         Called once for every `alloc_sequence` that returned something other than None.
         """
 
+    def prefix_flops(self, num_tokens: int) -> float | None:
+        """Approximate compute of a prefill of ``num_tokens`` tokens (``flop_aware``
+        eviction of state snapshots weighs it); None when the family does not say."""
+        return None
+
     @abstractmethod
     def forward(self, batch: Batch) -> torch.Tensor:
         """Run one step; return float32 logits ``[len(batch.logits_indices), vocab_size]``.

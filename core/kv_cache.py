@@ -8,13 +8,20 @@ from heron.core.cache_spec import CacheSpec, CacheTensors
 from heron.core.config import EngineConfig
 
 
-def num_kv_blocks_for(spec: CacheSpec, engine: EngineConfig, dtype: torch.dtype) -> int:
-    """``engine.num_kv_blocks`` when set, else as many blocks as ``kv_cache_memory_gb`` holds."""
+def num_kv_blocks_for(spec: CacheSpec, engine: EngineConfig, dtype: torch.dtype,
+                      max_model_len: int) -> int:
+    """``engine.num_kv_blocks`` when set, else as many blocks as ``kv_cache_memory_gb`` holds.
+
+    A model without attention layers has zero-byte blocks (still the token bookkeeping of
+    the scheduler and the prefix cache): then enough for every sequence at full length, twice.
+    """
     if engine.num_kv_blocks is not None:
         return engine.num_kv_blocks
     if spec.kv is None:
         return 0
     per_block = spec.kv.bytes_per_block(engine.block_size, dtype)
+    if per_block == 0:
+        return 2 * engine.max_num_seqs * -(-max_model_len // engine.block_size)
     return max(1, int(engine.kv_cache_memory_gb * 2**30) // per_block)
 
 
@@ -36,7 +43,7 @@ def num_swap_blocks_for(spec: CacheSpec, engine: EngineConfig, dtype: torch.dtyp
     if engine.num_swap_blocks is not None:
         return engine.num_swap_blocks
     per_block = spec.kv.bytes_per_block(engine.block_size, dtype)
-    return max(1, int(engine.swap_space_gb * 2**30) // per_block)
+    return max(1, int(engine.swap_space_gb * 2**30) // max(per_block, 1))
 
 
 def allocate_host_kv(device_kv: torch.Tensor, num_blocks: int) -> torch.Tensor:

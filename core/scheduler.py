@@ -11,6 +11,13 @@ sequence is preempted: with ``preemption = "swap"`` its blocks are copied to the
 otherwise, or when the host pool is full, by recompute: it goes back to the front of the
 waiting queue with no computed tokens (its written blocks stay in the prefix cache, so the
 recompute is mostly a cache hit). Pure bookkeeping: no tensors.
+
+With state snapshots (families with recurrent state), a hit also restores the state
+(``SchedulerOutput.restores``), and prefill chunks end where the engine must checkpoint a
+state (`checkpoint_due`): under ``marconi`` admission, the point where the prompt leaves
+the cached tree (a branch point: the next prompt with this prefix hits there) and the
+prompt's last block boundary (later boundaries are reached by decode; the last one reached
+is cached when the sequence finishes); under ``every_block``, every block boundary.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from dataclasses import dataclass, field
 
 from heron.core.block_pool import BlockPool
 from heron.core.config import EngineConfig
-from heron.core.prefix_cache import PrefixCache
+from heron.core.prefix_cache import Match, PrefixCache
 from heron.core.sequence import Sequence, SequenceStatus
 
 
@@ -40,6 +47,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    restores: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, snapshot id)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -53,7 +61,8 @@ def _age(seq: Sequence) -> tuple[int, int]:
 class Scheduler:
     def __init__(self, config: EngineConfig, block_pool: BlockPool,
                  prefix_cache: PrefixCache | None = None,
-                 host_pool: BlockPool | None = None) -> None:
+                 host_pool: BlockPool | None = None,
+                 snapshot_admission: str = "marconi") -> None:
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -61,6 +70,9 @@ class Scheduler:
         self.block_pool = block_pool
         self.prefix_cache = prefix_cache
         self.host_pool = host_pool  # set: preempt by swap while it has room
+        self.snapshots = prefix_cache is not None and prefix_cache.snapshots is not None
+        self.snapshot_admission = snapshot_admission
+        self._splits: dict[int, dict[int, bool]] = {}  # seq id -> {position: commit?}
         self.waiting: deque[Sequence] = deque()
         self.swapped: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first: the last is the next victim
@@ -101,21 +113,58 @@ class Scheduler:
             self.prefix_cache.insert(seq.namespace, seq.token_ids, seq.block_table,
                                      seq.num_computed_tokens)
 
-    def _match(self, seq: Sequence) -> bool:
-        """Start a sequence being admitted after its longest cached prefix; False when it
+    def _match(self, seq: Sequence) -> Match | None:
+        """Start a sequence being admitted after its longest cached prefix; None when it
         may not use the cache (its prompt logprobs need every prompt position computed)."""
         if self.prefix_cache is None or seq.params.prompt_logprobs is not None:
-            return False
+            return None
         # at least one token must run, to give the logits of the next
-        seq.block_table = self.prefix_cache.match(seq.namespace, seq.token_ids,
-                                                  len(seq.token_ids) - 1)
-        seq.num_computed_tokens = len(seq.block_table) * self.block_size
-        return True
+        found = self.prefix_cache.match(seq.namespace, seq.token_ids, len(seq.token_ids) - 1)
+        seq.block_table = found.blocks
+        seq.num_computed_tokens = len(found.blocks) * self.block_size
+        return found
+
+    # -- state checkpoints -------------------------------------------------------------------
+
+    def _plan_checkpoints(self, seq: Sequence, found: Match | None) -> None:
+        bs, start = self.block_size, seq.num_computed_tokens
+        last = len(seq.token_ids) // bs * bs
+        if self.snapshot_admission == "every_block":
+            splits = dict.fromkeys(range(start + bs, last + 1, bs), True)
+        else:
+            splits = {last: False} if last > start else {}
+            branch = found.path_blocks * bs if found is not None else 0
+            if branch > start:
+                splits[branch] = True
+        if splits:
+            self._splits[seq.seq_id] = splits
+
+    def _chunk(self, seq: Sequence, num_tokens: int) -> int:
+        """``num_tokens`` cut short at the sequence's next planned checkpoint."""
+        splits = self._splits.get(seq.seq_id)
+        if splits:
+            start = seq.num_computed_tokens
+            ahead = [p - start for p in splits if start < p < start + num_tokens]
+            num_tokens = min(ahead, default=num_tokens)
+        return num_tokens
+
+    def checkpoint_due(self, seq: Sequence) -> str | None:
+        """After a step: ``"commit"`` when the state after ``seq``'s computed tokens should
+        be cached now, ``"pending"`` when it should be kept as the sequence's latest (cached
+        when it finishes), else None."""
+        pos = seq.num_computed_tokens
+        if not self.snapshots or pos % self.block_size:
+            return None
+        planned = self._splits.get(seq.seq_id, {}).pop(pos, None)
+        if planned is None:
+            planned = self.snapshot_admission == "every_block"
+        return "commit" if planned else "pending"
 
     # -- preemption --------------------------------------------------------------------------
 
     def _preempt_last(self, out: SchedulerOutput) -> Sequence:
         seq = self.running.pop()
+        self._splits.pop(seq.seq_id, None)
         self.cache_computed(seq)
         host = self.host_pool
         if host is not None and host.can_allocate(len(seq.block_table)):
@@ -143,7 +192,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            num_tokens = self._chunk(seq, min(seq.num_uncomputed_tokens, budget))
             if num_tokens == 0:
                 continue
             needed = self._blocks_needed(seq, num_tokens)
@@ -183,7 +232,7 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            looked_up = self._match(seq)
+            found = self._match(seq)
             num_tokens = seq.num_uncomputed_tokens
             if num_tokens > budget and self.chunked_prefill:
                 num_tokens = budget
@@ -194,11 +243,17 @@ class Scheduler:
                 break
             self.waiting.popleft()
             cached = seq.num_computed_tokens
-            if looked_up:
+            if found is not None:
                 self.prefix_queried_tokens += len(seq.token_ids)
                 self.prefix_hit_tokens += cached
+                if found.snapshot is not None:
+                    out.restores.append((seq, found.snapshot))
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
+            if self.snapshots:
+                self._plan_checkpoints(seq, found)
+                num_tokens = self._chunk(seq, num_tokens)
+                needed = self._blocks_needed(seq, num_tokens)
             seq.block_table += self._allocate(needed)
             self._run(seq, num_tokens, out)
             budget -= num_tokens
@@ -241,6 +296,7 @@ class Scheduler:
         sequence whose last step failed)."""
         if seq.status is SequenceStatus.FINISHED:
             return
+        self._splits.pop(seq.seq_id, None)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.SWAPPED:

@@ -25,7 +25,8 @@ class Sequence:
     hit starts it at the number of tokens reused. ``namespace`` scopes the cache lookups and
     inserts of this sequence. ``num_cached_tokens`` is None until the sequence is first
     admitted, then the number of prompt tokens that admission reused from the cache.
-    ``host_block_table`` holds its KV while it is swapped out.
+    ``host_block_table`` holds its KV while it is swapped out. ``state_slot`` indexes the
+    family's per-sequence state tensors (families that declare states) while it runs.
     ``family_state`` is whatever the model family's ``alloc_sequence`` returned; the engine
     never looks inside it.
     """
@@ -33,7 +34,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_table", "status", "params", "arrival", "family_state", "generator",
-        "namespace", "num_cached_tokens", "host_block_table",
+        "namespace", "num_cached_tokens", "host_block_table", "state_slot",
     )
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
@@ -53,6 +54,7 @@ class Sequence:
         self.namespace = namespace
         self.num_cached_tokens: int | None = None
         self.host_block_table: list[int] = []
+        self.state_slot: int | None = None  # the engine's state slot while it runs
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -16,9 +16,9 @@ def test_kv_blocks_from_memory_budget_and_state_slots():
     engine = EngineConfig(block_size=4, kv_cache_memory_gb=1 / 1024)  # 1 MiB
     per_block = 2 * 2 * 4 * 3 * 8 * 4  # K and V, layers, tokens, heads, dim, fp32 bytes
     assert spec.kv.bytes_per_block(4, torch.float32) == per_block
-    num_blocks = num_kv_blocks_for(spec, engine, torch.float32)
+    num_blocks = num_kv_blocks_for(spec, engine, torch.float32, 4096)
     assert num_blocks == 2**20 // per_block
-    assert num_kv_blocks_for(spec, EngineConfig(num_kv_blocks=7), torch.float32) == 7
+    assert num_kv_blocks_for(spec, EngineConfig(num_kv_blocks=7), torch.float32, 4096) == 7
     cache = allocate_cache(spec, engine, num_blocks, 6, torch.float32, torch.device("cpu"))
     assert cache.kv.shape == (2, 2, num_blocks, 4, 3, 8)
     k, v = cache.layer_kv(1)

@@ -9,6 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from heron.core.block_pool import BlockPool, BlockPoolError
 from heron.core.prefix_cache import Namespace, PrefixCache
+from heron.core.slot_pool import SlotPool
 
 BS = 4
 A, B = Namespace(tenant="a"), Namespace(tenant="b")
@@ -31,23 +32,23 @@ def test_match_returns_whole_blocks_of_the_longest_prefix_and_takes_refs():
     tokens = list(range(10))
     table = write(pool, cache, A, tokens)
     assert cache.num_cached_blocks == 2  # the partial third block is not cached
-    got = cache.match(A, tokens + [99], 11)
+    got = cache.match(A, tokens + [99], 11).blocks
     assert got == table[:2]
     assert [pool.refcount(b) for b in got] == [3, 3]  # writer, cache, matcher
-    assert cache.match(A, [0, 1, 2, 3, 7, 7, 7, 7], 8) == table[:1]
-    assert cache.match(A, tokens, 7) == table[:1]  # max_tokens caps the match
-    assert cache.match(A, [5] + tokens, 11) == []
+    assert cache.match(A, [0, 1, 2, 3, 7, 7, 7, 7], 8).blocks == table[:1]
+    assert cache.match(A, tokens, 7).blocks == table[:1]  # max_tokens caps the match
+    assert cache.match(A, [5] + tokens, 11).blocks == []
 
 
 def test_namespaces_never_share_blocks():
     pool, cache = make()
     tokens = list(range(8))
     write(pool, cache, A, tokens)
-    assert cache.match(B, tokens, 8) == []
+    assert cache.match(B, tokens, 8).blocks == []
     table_b = write(pool, cache, B, tokens)  # B computes its own: two separate subtrees
     assert cache.num_cached_blocks == 4
     assert {cache.namespace_of(b) for b in table_b} == {B}
-    assert set(cache.match(B, tokens, 8)) == set(table_b)
+    assert set(cache.match(B, tokens, 8).blocks) == set(table_b)
 
 
 def test_insert_of_a_duplicate_swaps_the_sequence_onto_the_cached_block():
@@ -128,7 +129,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(ns=st.sampled_from(NAMESPACES), tokens=token_lists)
     def match_then_compute(self, ns, tokens):
         """Lookup (locks the matched blocks), then allocate the rest or release the lookup."""
-        table = self.cache.match(ns, tokens, len(tokens) - 1)
+        table = self.cache.match(ns, tokens, len(tokens) - 1).blocks
         assert len(table) * BS <= len(tokens) - 1
         for b in table:
             assert self.cache.namespace_of(b) == ns  # a match never crosses namespaces
@@ -193,7 +194,7 @@ class CacheMachine(RuleBasedStateMachine):
                     continue
                 assert owner == ns
                 assert not seen_uncached, "a cached block below an uncached one"
-                path = self.cache.match(ns, tokens, (i + 1) * BS)
+                path = self.cache.match(ns, tokens, (i + 1) * BS).blocks
                 self.pool.free(path[::-1])
                 assert path[i] == b
 
@@ -201,3 +202,69 @@ class CacheMachine(RuleBasedStateMachine):
 CacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
                                           deadline=None)
 test_cache_state_machine = CacheMachine.TestCase
+
+
+# -- state snapshots (families with recurrent state) ---------------------------------------
+
+def make_snapshot_cache(num_blocks=32, num_snapshots=4, eviction="lru"):
+    pool, snapshots = BlockPool(num_blocks), SlotPool(num_snapshots)
+    cache = PrefixCache(pool, BS, eviction, snapshots=snapshots,
+                        flops_of=lambda n: float(n * n), flop_weight=2.0)
+    return pool, snapshots, cache
+
+
+def snap(cache, snapshots, ns, tokens, at):
+    sid = snapshots.allocate()
+    assert cache.attach_snapshot(ns, tokens, at, sid)
+    return sid
+
+
+def test_a_snapshot_hit_stops_at_the_deepest_snapshot_of_the_path():
+    pool, snapshots, cache = make_snapshot_cache()
+    tokens = list(range(16))
+    table = write(pool, cache, A, tokens)
+    found = cache.match(A, tokens, 15)
+    assert (found.blocks, found.snapshot, found.path_blocks) == ([], None, 3)
+    sid = snap(cache, snapshots, A, tokens, 8)
+    found = cache.match(A, tokens, 15)
+    assert (found.blocks, found.snapshot, found.path_blocks) == (table[:2], sid, 3)
+    assert cache.match(B, tokens, 15).snapshot is None  # never another namespace's
+    assert not cache.attach_snapshot(A, tokens, 8, 99)  # one per node
+    assert not cache.attach_snapshot(A, [7] * 8, 8, 99)  # and only on a cached node
+
+
+def test_snapshots_are_evicted_with_their_block_and_never_while_in_use():
+    pool, snapshots, cache = make_snapshot_cache()
+    tokens = list(range(8))
+    table = write(pool, cache, A, tokens)
+    snap(cache, snapshots, A, tokens, 8)
+    assert not cache.evict_snapshot()  # its block is still held by the writer
+    pool.free(table[::-1])
+    assert cache.evict(2) == 2
+    assert snapshots.num_free == 4 and cache.num_cached_snapshots == 0
+
+
+def test_branch_points_keep_their_snapshots():
+    pool, snapshots, cache = make_snapshot_cache()
+    trunk = [1] * 8
+    for tail in ([2] * 4, [3] * 4):  # two continuations of one trunk
+        pool.free(write(pool, cache, A, trunk + tail)[::-1])
+    snap(cache, snapshots, A, trunk, 8)  # the branch point: two children
+    assert not cache.evict_snapshot()
+    leaf = snap(cache, snapshots, A, trunk + [2] * 4, 12)
+    assert cache.evict_snapshot() and snapshots.num_free == 3
+    assert cache.match(A, trunk + [2] * 4 + [0], 13).snapshot != leaf
+
+
+@pytest.mark.parametrize("eviction, survivor", [("lru", "short"), ("flop_aware", "long")])
+def test_lru_evicts_the_oldest_and_flop_aware_keeps_the_costly(eviction, survivor):
+    pool, snapshots, cache = make_snapshot_cache(eviction=eviction)
+    long_, short = [1] * 16, [2] * 4
+    for tokens in (long_, short):
+        pool.free(write(pool, cache, A, tokens)[::-1])
+    kept = {"long": snap(cache, snapshots, A, long_, 16),
+            "short": snap(cache, snapshots, A, short, 4)}  # the newer one
+    assert cache.evict_snapshot()
+    assert cache.num_cached_snapshots == 1
+    tokens = long_ if survivor == "long" else short
+    assert cache.match(A, tokens + [0], len(tokens) + 1).snapshot == kept[survivor]

@@ -2,6 +2,7 @@
 
 Plain tensors and functional ops, no nn.Module: the weights are fused at load time
 (q/k/v into one projection, gate/up into one) so each layer is four matmuls.
+`attention` and `gated_mlp` are module-level so other families (hybrid_ssm) reuse them.
 """
 
 from __future__ import annotations
@@ -18,14 +19,36 @@ from heron.plugins.transformer.config import TransformerConfig
 
 
 @dataclass
+class AttentionWeights:
+    qkv: torch.Tensor               # [(Hq + 2 Hkv) D, hidden]: q, k, v rows fused
+    o: torch.Tensor                 # [hidden, Hq D]
+    qkv_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # [D], per-head RMSNorm before rotary (Qwen3)
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    eps: float = 1e-6  # of the q/k norms
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
+    attn: AttentionWeights
     post_norm: torch.Tensor
     gate_up: torch.Tensor
     gate_up_bias: torch.Tensor | None
@@ -33,7 +56,7 @@ class LayerWeights:
     down_bias: torch.Tensor | None
 
 
-class _Weights:
+class Weights:
     """Pops tensors by HF name, so leftovers can be reported and missing ones named."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], device, dtype) -> None:
@@ -52,11 +75,41 @@ class _Weights:
         return None if any(p is None for p in parts) else torch.cat(parts, dim=0).contiguous()
 
 
+def attention(h: torch.Tensor, w: AttentionWeights, shape: AttentionShape, batch: Batch,
+              kv: tuple[torch.Tensor, torch.Tensor],
+              cos_sin: torch.Tensor | None) -> torch.Tensor:
+    """Self-attention of ``h [T, hidden]`` over paged KV: qkv → (q/k norm) → rotary → write
+    this step's K/V into ``kv = (k_cache, v_cache)`` → paged attention → o. ``cos_sin`` None:
+    no position embedding (NoPE layers). Returns ``[T, hidden]``."""
+    num_tokens = h.shape[0]
+    qkv = F.linear(h, w.qkv, w.qkv_bias)
+    q, k, v = qkv.split([shape.q_size, shape.kv_size, shape.kv_size], dim=-1)
+    q = q.view(num_tokens, shape.num_heads, shape.head_dim)
+    k = k.view(num_tokens, shape.num_kv_heads, shape.head_dim)
+    v = v.view(num_tokens, shape.num_kv_heads, shape.head_dim)
+    if w.q_norm is not None:
+        q, _ = rms_norm(q, w.q_norm, shape.eps)
+        k, _ = rms_norm(k, w.k_norm, shape.eps)
+    if cos_sin is not None:
+        q, k = rotary(q, k, batch.positions, cos_sin)
+    k_cache, v_cache = kv
+    write_kv(k, v, k_cache, v_cache, batch.attn.slot_mapping)
+    o = paged_attention(q, k_cache, v_cache, batch.attn, shape.scale)
+    return F.linear(o.reshape(num_tokens, shape.q_size), w.o, w.o_bias)
+
+
+def gated_mlp(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+              gate_up_bias: torch.Tensor | None = None,
+              down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU MLP: ``down(silu(gate(h)) * up(h))`` with gate/up fused (gate rows first)."""
+    return F.linear(silu_and_mul(F.linear(h, gate_up, gate_up_bias)), down, down_bias)
+
+
 class TransformerModel:
     def __init__(self, cfg: TransformerConfig, tensors: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype) -> None:
         self.cfg = cfg
-        w = _Weights(dict(tensors), device, dtype)
+        w = Weights(dict(tensors), device, dtype)
         self.embed = w.take("model.embed_tokens.weight")
         self.layers = [self._layer(w, f"model.layers.{i}.") for i in range(cfg.num_layers)]
         self.final_norm = w.take("model.norm.weight")
@@ -64,23 +117,23 @@ class TransformerModel:
         self.lm_head = lm_head if lm_head is not None else self.embed
         self.cos_sin = rope_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings,
                                           cfg.rope_theta, cfg.rope_scaling).to(device)
-        self.scale = cfg.head_dim ** -0.5
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                    cfg.head_dim ** -0.5, cfg.rms_norm_eps)
         self.unused_tensors = sorted(k for k in w.tensors if "rotary_emb" not in k)
 
-    def _layer(self, w: _Weights, p: str) -> LayerWeights:
+    def _layer(self, w: Weights, p: str) -> LayerWeights:
         cfg = self.cfg
         attn, mlp = p + "self_attn.", p + "mlp."
         qkv_names = [attn + f"{n}_proj" for n in "qkv"]
         return LayerWeights(
             input_norm=w.take(p + "input_layernorm.weight"),
-            qkv=w.cat([n + ".weight" for n in qkv_names]),
-            qkv_bias=w.cat([n + ".bias" for n in qkv_names]) if cfg.qkv_bias else None,
-            o=w.take(attn + "o_proj.weight"),
-            o_bias=w.take(attn + "o_proj.bias") if cfg.o_bias else None,
-            q_norm=w.take(attn + "q_norm.weight") if cfg.qk_norm else None,
-            k_norm=w.take(attn + "k_norm.weight") if cfg.qk_norm else None,
+            attn=AttentionWeights(
+                qkv=w.cat([n + ".weight" for n in qkv_names]),
+                qkv_bias=w.cat([n + ".bias" for n in qkv_names]) if cfg.qkv_bias else None,
+                o=w.take(attn + "o_proj.weight"),
+                o_bias=w.take(attn + "o_proj.bias") if cfg.o_bias else None,
+                q_norm=w.take(attn + "q_norm.weight") if cfg.qk_norm else None,
+                k_norm=w.take(attn + "k_norm.weight") if cfg.qk_norm else None),
             post_norm=w.take(p + "post_attention_layernorm.weight"),
             gate_up=w.cat([mlp + "gate_proj.weight", mlp + "up_proj.weight"]),
             gate_up_bias=(w.cat([mlp + "gate_proj.bias", mlp + "up_proj.bias"])
@@ -100,28 +153,10 @@ class TransformerModel:
                 h, _ = rms_norm(x, layer.input_norm, eps)
             else:
                 h, residual = rms_norm(x, layer.input_norm, eps, residual)
-            x = self._attention(i, layer, h, batch, cache)
+            x = attention(h, layer.attn, self.shape, batch, cache.layer_kv(i), self.cos_sin)
             h, residual = rms_norm(x, layer.post_norm, eps, residual)
-            x = F.linear(silu_and_mul(F.linear(h, layer.gate_up, layer.gate_up_bias)),
-                         layer.down, layer.down_bias)
+            x = gated_mlp(h, layer.gate_up, layer.down, layer.gate_up_bias, layer.down_bias)
         rows = batch.logits_indices
         h, _ = rms_norm(x.index_select(0, rows), self.final_norm, eps,
                         residual.index_select(0, rows))
         return F.linear(h, self.lm_head).float()
-
-    def _attention(self, i: int, layer: LayerWeights, h: torch.Tensor, batch: Batch,
-                   cache: CacheTensors) -> torch.Tensor:
-        cfg, eps, num_tokens = self.cfg, self.cfg.rms_norm_eps, h.shape[0]
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        if layer.q_norm is not None:
-            q, _ = rms_norm(q, layer.q_norm, eps)
-            k, _ = rms_norm(k, layer.k_norm, eps)
-        q, k = rotary(q, k, batch.positions, self.cos_sin)
-        k_cache, v_cache = cache.layer_kv(i)
-        write_kv(k, v, k_cache, v_cache, batch.attn.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, batch.attn, self.scale)
-        return F.linear(o.reshape(num_tokens, self.q_size), layer.o, layer.o_bias)
