@@ -84,7 +84,7 @@ class PrefixCacheConfig(_Section):
     enabled: bool = True
     eviction: Literal["lru", "flop_aware"] = "lru"
     snapshot_admission: Literal["marconi", "every_block"] = "marconi"
-    snapshot_memory_gb: float = 0.25
+    snapshot_memory_gb: float = 1.0
     num_snapshots: int | None = None
     flop_weight: float = 1.0
 

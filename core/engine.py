@@ -310,8 +310,7 @@ class Engine:
             seq = item.seq
             if seq.status is SequenceStatus.RUNNING and (
                     kind := self.scheduler.checkpoint_due(seq)) is not None:
-                if kind == "commit":
-                    self.scheduler.cache_computed(seq)  # the node the snapshot goes to
+                # a boundary was crossed: `_cache_new_blocks` cached the node it goes to
                 self.states.checkpoint(seq, kind)
 
     def _add_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, start: int) -> None:
