@@ -18,7 +18,7 @@ import pluggy
 from heron.core import hookspecs
 from heron.core.family import FamilySpec
 
-DEFAULT_PLUGINS = ("heron.plugins.transformer.plugin",)
+DEFAULT_PLUGINS = ("heron.plugins.transformer.plugin", "heron.plugins.hybrid_ssm.plugin")
 ENTRY_POINT_GROUP = "heron"
 
 

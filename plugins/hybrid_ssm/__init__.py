@@ -1,0 +1,1 @@
+"""Mamba2 and Mamba2/attention hybrid family."""

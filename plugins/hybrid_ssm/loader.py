@@ -1,0 +1,41 @@
+"""Loads a Mamba2 or hybrid Mamba2/attention model from an HF safetensors directory."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from heron.core.config import ModelConfig
+from heron.core.family import LoadedModel, ModelInfo
+from heron.core.tokenizer import Tokenizer
+from heron.plugins.hybrid_ssm.config import HybridConfig
+from heron.plugins.hybrid_ssm.model import HybridModel
+from heron.plugins.hybrid_ssm.runner import HybridRunner
+from heron.plugins.transformer.weights import load_safetensors
+
+log = logging.getLogger(__name__)
+
+
+def load(path: str, model_config: ModelConfig, device: torch.device,
+         dtype: torch.dtype) -> LoadedModel:
+    source = Path(path)
+    if source.suffix == ".gguf":
+        raise ValueError("the hybrid_ssm family loads HF safetensors directories, not GGUF")
+    hf_config = json.loads((source / "config.json").read_text())
+    cfg = HybridConfig.from_hf(hf_config)
+    tensors = load_safetensors(source, torch.float32)
+    tokenizer = Tokenizer.from_hf_dir(source)
+    model = HybridModel(cfg, tensors, device, dtype)
+    del tensors
+    if model.unused_tensors:
+        log.warning("checkpoint tensors not used: %s", model.unused_tensors[:8])
+    eos = tokenizer.eos_token_ids if tokenizer is not None and tokenizer.eos_token_ids else ()
+    info = ModelInfo(
+        name=source.name, vocab_size=cfg.vocab_size,
+        max_context_len=cfg.max_position_embeddings,
+        eos_token_ids=tuple(dict.fromkeys((*eos, *cfg.eos_token_ids))),
+        dtype=dtype, device=device)
+    return LoadedModel(HybridRunner(model, info), tokenizer)

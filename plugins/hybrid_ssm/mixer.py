@@ -1,0 +1,128 @@
+"""The Mamba2 mixer over a flat engine batch, with per-sequence states in engine slots.
+
+Sequences with several rows this step (prefill chunks) run the chunked scan one by one,
+starting from the state in their slot; sequences with one row run the single-step update
+together. Either way each slot ends holding the state after the sequence's last row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from heron.core.batch import Batch
+from heron.plugins.hybrid_ssm.config import MambaConfig
+from heron.plugins.hybrid_ssm.mamba2 import (causal_conv1d, causal_conv1d_step, gated_rms_norm,
+                                             ssd_chunk_scan, ssm_step)
+
+
+@dataclass
+class MambaWeights:
+    in_proj: torch.Tensor              # [d_inner (z) + conv_dim (x, B, C) + H (dt), hidden]
+    in_proj_bias: torch.Tensor | None
+    conv_weight: torch.Tensor          # [conv_dim, K]
+    conv_bias: torch.Tensor | None
+    dt_bias: torch.Tensor              # [H] float32
+    A: torch.Tensor                    # [H] float32, -exp(A_log)
+    D: torch.Tensor                    # [H] float32
+    norm: torch.Tensor | None          # [d_inner]; None: gate only, no norm
+    out_proj: torch.Tensor             # [hidden, d_inner]
+    out_proj_bias: torch.Tensor | None
+
+
+@dataclass
+class MambaPlan:
+    """How this batch's rows map onto the state slots; built once per step, shared by layers."""
+
+    prefills: list[tuple[int, int, int]]  # (first row, end row, slot) of multi-row sequences
+    decode_rows: torch.Tensor | None      # [Bd] rows of one-row sequences
+    decode_slots: torch.Tensor | None     # [Bd] their slots
+    is_all_decode: bool                   # decode_rows is every row, in order
+    clamp_rows: torch.Tensor | None       # [T] bool: rows whose dt gets `dt_limit` (prompt rows)
+
+    @classmethod
+    def build(cls, batch: Batch, clamps_dt: bool) -> MambaPlan:
+        attn, slots = batch.attn, batch.state_slots_list
+        prefills, decode_rows, decode_slots, clamp = [], [], [], []
+        start = 0
+        for i, (q_len, seq_len) in enumerate(zip(attn.query_lens_list, attn.seq_lens_list)):
+            if q_len == 1:
+                decode_rows.append(start)
+                decode_slots.append(slots[i])
+            else:
+                prefills.append((start, start + q_len, slots[i]))
+            if clamps_dt:
+                # NOTE: transformers clamps dt in its prefill pass (the scan) but not in its
+                # one-token decode step; prompt rows get the clamp whatever way they run here
+                num_prompt = batch.seqs[i].num_prompt_tokens
+                first = seq_len - q_len
+                num_clamped = min(max(num_prompt - first, 0), q_len)
+                clamp += [True] * num_clamped + [False] * (q_len - num_clamped)
+            start += q_len
+        dev = batch.input_ids.device
+        has_decode = bool(decode_rows)
+        return cls(
+            prefills=prefills,
+            decode_rows=torch.tensor(decode_rows, device=dev) if has_decode else None,
+            decode_slots=torch.tensor(decode_slots, device=dev) if has_decode else None,
+            is_all_decode=not prefills,
+            clamp_rows=torch.tensor(clamp, device=dev) if clamps_dt else None)
+
+
+def _dt(dt_raw: torch.Tensor, w: MambaWeights, cfg: MambaConfig,
+        plan: MambaPlan) -> torch.Tensor:
+    dt = F.softplus(dt_raw.float() + w.dt_bias)
+    if plan.clamp_rows is not None:
+        lo, hi = cfg.dt_limit
+        dt = torch.where(plan.clamp_rows[:, None], dt.clamp(lo, hi), dt)
+    return dt
+
+
+def mamba_mixer(h: torch.Tensor, w: MambaWeights, cfg: MambaConfig, plan: MambaPlan,
+                conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
+    """One Mamba2 layer on ``h [T, hidden]``; reads and updates this layer's states in place:
+    ``conv_state [num_slots, conv_dim, K - 1]``, ``ssm_state [num_slots, H, P, N]``.
+    Returns ``[T, hidden]``."""
+    num_tokens = h.shape[0]
+    d_inner, num_heads, head_dim = cfg.d_inner, cfg.num_heads, cfg.head_dim
+    gn = cfg.num_groups * cfg.state_size
+    proj = F.linear(h, w.in_proj, w.in_proj_bias)
+    z, xbc, dt_raw = proj.split([d_inner, cfg.conv_dim, num_heads], dim=-1)
+    dt = _dt(dt_raw, w, cfg, plan)
+    y = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=h.device)
+
+    for first, end, slot in plan.prefills:
+        conv_out, new_conv = causal_conv1d(xbc[first:end], conv_state[slot], w.conv_weight,
+                                           w.conv_bias)
+        conv_state[slot].copy_(new_conv)
+        x, B, C = conv_out.split([d_inner, gn, gn], dim=-1)
+        n = end - first
+        y[first:end], final = ssd_chunk_scan(
+            x.view(n, num_heads, head_dim), dt[first:end], w.A,
+            B.view(n, cfg.num_groups, -1), C.view(n, cfg.num_groups, -1), w.D,
+            cfg.chunk_size, ssm_state[slot])
+        ssm_state[slot].copy_(final)
+
+    if plan.decode_rows is not None:
+        rows, slots = plan.decode_rows, plan.decode_slots
+        take = (lambda t: t) if plan.is_all_decode else (lambda t: t.index_select(0, rows))
+        conv_out, new_conv = causal_conv1d_step(take(xbc), conv_state.index_select(0, slots),
+                                                w.conv_weight, w.conv_bias)
+        conv_state.index_copy_(0, slots, new_conv.to(conv_state.dtype))
+        x, B, C = conv_out.split([d_inner, gn, gn], dim=-1)
+        num = x.shape[0]
+        y_dec, new_ssm = ssm_step(ssm_state.index_select(0, slots),
+                                  x.reshape(num, num_heads, head_dim), take(dt), w.A,
+                                  B.reshape(num, cfg.num_groups, -1),
+                                  C.reshape(num, cfg.num_groups, -1), w.D)
+        ssm_state.index_copy_(0, slots, new_ssm)
+        if plan.is_all_decode:
+            y = y_dec
+        else:
+            y.index_copy_(0, rows, y_dec)
+
+    out = gated_rms_norm(y.view(num_tokens, d_inner), z, w.norm, cfg.norm_eps,
+                         d_inner // cfg.num_groups, cfg.norm_before_gate)
+    return F.linear(out.to(h.dtype), w.out_proj, w.out_proj_bias)
