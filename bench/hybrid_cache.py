@@ -131,7 +131,7 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=384)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--snapshots", type=int, default=24,
+    parser.add_argument("--snapshots", type=int, default=16,
                         help="snapshot pool size, the same for every cached run")
     parser.add_argument("--vocab", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")

@@ -29,7 +29,11 @@ class KVCacheSpec:
 class StateSpec:
     """A fixed-size per-sequence state kept in slots (SSM conv/scan state, cross-attention KV).
 
-    ``shape`` is the shape of one slot; the engine allocates ``(num_slots, *shape)``.
+    ``shape`` is the shape of one slot; the engine allocates ``(num_slots, *shape)`` and
+    gives each running sequence one slot (``batch.state_slots``). Contract: when ``forward``
+    starts, the slot holds the state after the sequence's already computed tokens (zeros for
+    a fresh sequence, or a snapshot the prefix cache restored); ``forward`` leaves it holding
+    the state after the sequence's last row in the batch.
     """
 
     name: str

@@ -84,7 +84,8 @@ class Engine:
             host_pool = BlockPool(num_swap)
         self._share_prompt = stateless
         self.scheduler = Scheduler(engine, self.block_pool, self.prefix_cache, host_pool,
-                                   cache_cfg.snapshot_admission)
+                                   cache_cfg.snapshot_admission,
+                                   cache_generated=self.runner.generated_matches_prompt)
         self.sampler = Sampler(info.eos_token_ids)
         self.batch_builder = BatchBuilder(engine.block_size, self.device)
         self.graphs = None

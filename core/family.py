@@ -66,6 +66,10 @@ class ModelRunner(ABC):
     #: True when `forward` is graph-safe for decode batches (see `heron.core.cuda_graphs`);
     #: the engine then replays captured CUDA graphs for decode steps.
     supports_cuda_graphs: bool = False
+    #: False when a generated token's KV or state is computed differently from the same
+    #: token's in a prompt (so what decode wrote differs from a recompute of that text): the
+    #: prefix cache then keeps only the prompt tokens of each sequence.
+    generated_matches_prompt: bool = True
 
     @abstractmethod
     def cache_spec(self) -> CacheSpec:

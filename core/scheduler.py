@@ -62,7 +62,9 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_pool: BlockPool,
                  prefix_cache: PrefixCache | None = None,
                  host_pool: BlockPool | None = None,
-                 snapshot_admission: str = "marconi") -> None:
+                 snapshot_admission: str = "marconi", *, cache_generated: bool = True) -> None:
+        """``cache_generated``: whether generated tokens' KV and states may be cached (False
+        for a family that computes them differently from prompt tokens)."""
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -72,6 +74,7 @@ class Scheduler:
         self.host_pool = host_pool  # set: preempt by swap while it has room
         self.snapshots = prefix_cache is not None and prefix_cache.snapshots is not None
         self.snapshot_admission = snapshot_admission
+        self.cache_generated = cache_generated
         self._splits: dict[int, dict[int, bool]] = {}  # seq id -> {position: commit?}
         self.waiting: deque[Sequence] = deque()
         self.swapped: deque[Sequence] = deque()
@@ -107,11 +110,17 @@ class Scheduler:
         self.block_pool.free(seq.block_table[::-1])  # tail first: see prefix_cache
         seq.block_table = []
 
+    def _cacheable(self, seq: Sequence) -> int:
+        """How many leading tokens of ``seq`` may enter the prefix cache."""
+        if self.cache_generated:
+            return seq.num_computed_tokens
+        return min(seq.num_computed_tokens, seq.num_prompt_tokens)
+
     def cache_computed(self, seq: Sequence) -> None:
         """Offer the whole blocks of ``seq``'s written KV to the prefix cache."""
         if self.prefix_cache is not None:
             self.prefix_cache.insert(seq.namespace, seq.token_ids, seq.block_table,
-                                     seq.num_computed_tokens)
+                                     self._cacheable(seq))
 
     def _match(self, seq: Sequence) -> Match | None:
         """Start a sequence being admitted after its longest cached prefix; None when it
@@ -153,7 +162,7 @@ class Scheduler:
         be cached now, ``"pending"`` when it should be kept as the sequence's latest (cached
         when it finishes), else None."""
         pos = seq.num_computed_tokens
-        if not self.snapshots or pos % self.block_size:
+        if not self.snapshots or pos % self.block_size or pos > self._cacheable(seq):
             return None
         planned = self._splits.get(seq.seq_id, {}).pop(pos, None)
         if planned is None:

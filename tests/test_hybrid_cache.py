@@ -7,38 +7,19 @@ import random
 
 import pytest
 import torch
-import transformers
 
 from heron.core.sampling_params import SamplingParams
 from tests.engine_utils import make_engine
+from tests.hybrid_models import HYBRIDS, build_hybrid
 
 BS = 8
-VOCAB = 256
+VOCAB = 320
 
 
-def build(kind: str, directory) -> None:
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, pad_token_id=0,
-                  bos_token_id=1, eos_token_id=2)
-    if kind == "bamba":
-        model = transformers.BambaForCausalLM(transformers.BambaConfig(
-            **common, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-            attn_layer_indices=[1], mamba_n_heads=8, mamba_d_state=16, mamba_chunk_size=8))
-    else:
-        model = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
-            **common, num_heads=8, head_dim=16, expand=2, state_size=16, n_groups=1,
-            chunk_size=8))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name and p.dim() > 1:
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(directory)
-
-
-@pytest.fixture(scope="module", params=["bamba", "mamba2"])
+@pytest.fixture(scope="module", params=list(HYBRIDS))
 def model_dir(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
-    build(request.param, path)
+    build_hybrid(request.param, path)
     return path
 
 
@@ -71,7 +52,7 @@ def assert_same(out, ref):
     for a, b in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs):
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
         assert torch.allclose(torch.tensor([v for _, v in a.top]),
-                              torch.tensor([v for _, v in b.top]), atol=1e-4)
+                              torch.tensor([v for _, v in b.top]), atol=1e-4, rtol=1e-4)
 
 
 def assert_idle(engine):
@@ -96,6 +77,8 @@ def test_a_follow_up_turn_resumes_from_the_last_snapshot(model_dir, cold, admiss
     turn2 = turn1 + answer + tokens(11, seed=2)
     out = run(engine, turn2)
     written = len(turn1) + len(answer) - 1  # the last answer token was never computed
+    if not engine.runner.generated_matches_prompt:  # NemotronH: prompts only are cached
+        written = len(turn1)
     assert out.num_cached_tokens == written // BS * BS > 0
     assert_same(out, run(cold, turn2))
     assert_idle(engine)

@@ -49,7 +49,7 @@ def test_logits_and_greedy_match_transformers(tiny, scenario):
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True,
                             prompt_logprobs=0)
     outs = engine.generate(prompts, params)
-    assert engine.num_blocks_in_use == 0
+    assert engine.num_blocks_in_use == 0 and engine.states.slots.num_used == 0
     if scenario == "preempt":
         assert engine.scheduler.num_preemptions > 0
     for out, ref in zip(outs, ref_tokens):

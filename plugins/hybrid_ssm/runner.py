@@ -18,6 +18,9 @@ class HybridRunner(ModelRunner):
         self.model = model
         self.info = info
         self.cache: CacheTensors | None = None
+        # NemotronH floors dt for prompt tokens only (as transformers does): a generated
+        # token's state (and the KV after it) then differs from the same token's as a prompt
+        self.generated_matches_prompt = not model.cfg.mamba.clamps_dt
 
     def cache_spec(self) -> CacheSpec:
         cfg = self.model.cfg
