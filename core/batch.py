@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,6 +60,8 @@ class Batch:
     # families with per-sequence states: the slot of each sequence (device and host copies)
     state_slots: torch.Tensor | None = None  # [B] int64
     state_slots_list: list[int] | None = None
+    # LoRA: (adapter slot, flat rows using it), one entry per adapter in the batch
+    lora_groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -48,6 +48,13 @@ class BatchBuilder:
         for n in query_lens:
             qsl.append(qsl[-1] + n)
         dev = self.device
+        lora_rows: dict[int, list[int]] = {}
+        row = 0
+        for item in scheduled:
+            if item.seq.lora_slot is not None:
+                lora_rows.setdefault(item.seq.lora_slot, []).extend(
+                    range(row, row + item.num_tokens))
+            row += item.num_tokens
         slot_list = [item.seq.state_slot for item in scheduled]
         if None in slot_list:
             slot_list = None
@@ -66,4 +73,6 @@ class BatchBuilder:
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(dev, non_blocking=True),
             state_slots=(None if slot_list is None else
                          torch.tensor(slot_list, dtype=torch.int64).to(dev, non_blocking=True)),
-            state_slots_list=slot_list)
+            state_slots_list=slot_list,
+            lora_groups=[(slot, torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True))
+                         for slot, rows in lora_rows.items()])

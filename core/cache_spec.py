@@ -58,6 +58,10 @@ class CacheTensors:
     block_size: int
     kv: torch.Tensor | None = None
     states: dict[str, torch.Tensor] = field(default_factory=dict)
+    # LoRA adapter slots (families with `lora_targets`, when adapters are configured):
+    # target -> (A [layers, slots, max_rank, in], B [layers, slots, out, max_rank])
+    lora: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    lora_scaling: torch.Tensor | None = None  # [slots]
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.kv is not None

@@ -125,11 +125,27 @@ class LoggingConfig(_Section):
     log_requests: bool = True
 
 
+class LoraConfig(_Section):
+    adapters: dict[str, str] = {}
+    max_loras: int = 4
+    max_rank: int = 16
+    allow_runtime_updates: bool = False
+    allowed_dirs: list[str] = []
+
+    def _checks(self):
+        return (
+            ("adapters", all(n.strip() for n in self.adapters), "must not have an empty name"),
+            ("max_loras", self.max_loras >= 1, "must be >= 1"),
+            ("max_rank", 1 <= self.max_rank <= 1024, "must be in 1..1024"),
+        )
+
+
 class Config(_Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     prefix_cache: PrefixCacheConfig = msgspec.field(default_factory=PrefixCacheConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
 
 
@@ -164,6 +180,9 @@ def _toml_value(value: Any) -> str:
         return msgspec.json.encode(value).decode()  # a JSON string is a TOML basic string
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_value(k)} = {_toml_value(v)}"
+                               for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")
 
 

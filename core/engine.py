@@ -11,12 +11,14 @@ import logging
 
 import torch
 
+from heron.core.adapter_pool import AdapterPool
 from heron.core.batch_builder import BatchBuilder
 from heron.core.block_pool import BlockPool
 from heron.core.config import Config
 from heron.core.device import resolve_device
-from heron.core.kv_cache import (allocate_cache, allocate_host_kv, copy_blocks,
+from heron.core.kv_cache import (allocate_cache, allocate_host_kv, allocate_lora, copy_blocks,
                                  num_kv_blocks_for, num_swap_blocks_for)
+from heron.core.lora import AdapterBusyError, AdapterError, AdapterWeights
 from heron.core.model_loader import load_model
 from heron.core.outputs import RequestOutput
 from heron.core.plugins import PluginManager
@@ -83,9 +85,23 @@ class Engine:
             self.host_kv = allocate_host_kv(self.cache.kv, num_swap)
             host_pool = BlockPool(num_swap)
         self._share_prompt = stateless
+        lora_cfg = config.lora
+        self.adapters: dict[str, AdapterWeights] = {}
+        self._adapter_keys: dict[str, str] = {}  # name -> key of its namespace and slot
+        self._adapter_by_key: dict[str, AdapterWeights] = {}
+        self._adapter_loads = itertools.count()
+        self.adapter_pool = None
+        if lora_cfg.adapters or lora_cfg.allow_runtime_updates:
+            self._lora_targets = self.runner.lora_targets()
+            if not self._lora_targets:
+                raise ValueError(f"model {info.name!r}: its family takes no LoRA adapters")
+            allocate_lora(self.cache, self._lora_targets, lora_cfg.max_loras,
+                          lora_cfg.max_rank, self.dtype, self.device)
+            self.adapter_pool = AdapterPool(lora_cfg.max_loras)
         self.scheduler = Scheduler(engine, self.block_pool, self.prefix_cache, host_pool,
                                    cache_cfg.snapshot_admission,
-                                   cache_generated=self.runner.generated_matches_prompt)
+                                   cache_generated=self.runner.generated_matches_prompt,
+                                   adapter_pool=self.adapter_pool)
         self.sampler = Sampler(info.eos_token_ids)
         self.batch_builder = BatchBuilder(engine.block_size, self.device)
         self.graphs = None
@@ -100,25 +116,79 @@ class Engine:
         self._outputs: dict[int, SeqOutput] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
+        for name, path in lora_cfg.adapters.items():
+            try:
+                self.add_adapter(name, path)
+            except AdapterError as e:  # one bad adapter must not take the server down
+                log.error("adapter not loaded: %s", e)
+
+    # -- adapters ------------------------------------------------------------------------
+
+    def add_adapter(self, name: str, path: str) -> AdapterWeights:
+        """Load a LoRA adapter (validated against the model) under ``name``. Raises
+        AdapterError naming the adapter and the problem."""
+        if self.adapter_pool is None:
+            raise AdapterError(f"adapter {name!r}: LoRA is off (set [lora] adapters or "
+                               "allow_runtime_updates)")
+        if name in self.adapters:
+            raise AdapterError(f"adapter {name!r} is already loaded")
+        load = self.plugins.adapter_loaders.get("peft")
+        if load is None:
+            raise AdapterError(f"adapter {name!r}: no plugin reads PEFT adapters")
+        weights = load(name, path, self._lora_targets, self.config.lora.max_rank)
+        # NOTE: a fresh key per load: a reloaded adapter never meets its predecessor's KV
+        key = f"{name}@{next(self._adapter_loads)}"
+        self.adapters[name], self._adapter_keys[name] = weights, key
+        self._adapter_by_key[key] = weights
+        return weights
+
+    def remove_adapter(self, name: str) -> None:
+        """Unload an adapter. KeyError when unknown; AdapterBusyError while requests that
+        use it are running or waiting (it does not wait for them)."""
+        key = self._adapter_keys[name]
+        users = sum(1 for s in self._requests.values() if s.seqs[0].namespace.adapter == key)
+        if users:
+            raise AdapterBusyError(f"adapter {name!r} is in use by {users} request(s)")
+        self.adapter_pool.forget(key)
+        del self.adapters[name], self._adapter_keys[name], self._adapter_by_key[key]
+
+    def _load_adapter_slot(self, key: str, slot: int) -> None:
+        weights = self._adapter_by_key[key]
+        for target, (a, b) in self.cache.lora.items():
+            a[:, slot].zero_()
+            b[:, slot].zero_()
+            for i, pair in enumerate(weights.layers.get(target) or ()):
+                if pair is not None:
+                    rank = pair[0].shape[0]
+                    a[i, slot, :rank].copy_(pair[0])
+                    b[i, slot, :, :rank].copy_(pair[1])
+        self.cache.lora_scaling[slot] = weights.scaling
 
     # -- requests ------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None, *, tenant: str = "") -> None:
+                    params: SamplingParams | None = None, *, tenant: str = "",
+                    adapter: str | None = None) -> None:
         """Queue a request. Raises ValueError for a prompt or params the engine cannot serve.
 
-        Requests share prefix-cache blocks only with requests of the same ``tenant``. With
-        ``n > 1`` the first sequence computes the prompt and the others fork from it.
+        Requests share prefix-cache blocks only with requests of the same ``tenant`` and
+        ``adapter`` (a loaded LoRA adapter's name; None: the base model). With ``n > 1`` the
+        first sequence computes the prompt and the others fork from it.
         """
         params = params or SamplingParams()
         params.validate()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        adapter_key = ""
+        if adapter is not None:
+            adapter_key = self._adapter_keys.get(adapter, "")
+            if not adapter_key:
+                raise ValueError(f"unknown adapter {adapter!r}; loaded: {sorted(self.adapters)}")
         prompt_ids = self._encode(prompt)
         self._check_fits(prompt_ids, params)
         arrival = next(self._arrivals)
         seqs, outputs = [], []
-        namespace = Namespace(tenant=tenant)
+        namespace = Namespace(adapter=adapter_key, tenant=tenant)
         for index in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, prompt_ids, params, arrival,
                            namespace)
@@ -212,6 +282,8 @@ class Engine:
                 item.seq.family_state = self.runner.alloc_sequence(item.seq)
         for seq, snapshot in sched.restores:
             self.states.restore(seq, snapshot)
+        for key, slot in sched.adapter_loads:
+            self._load_adapter_slot(key, slot)
         touched: dict[str, RequestState] = {}
         pl_seqs: set[int] = set()
         for item in sched.scheduled:
@@ -224,7 +296,7 @@ class Engine:
             for out in state.outputs:
                 out.begin_step()
         try:
-            if self.graphs is not None and self.graphs.can_run(batch):
+            if self.graphs is not None and not batch.lora_groups and self.graphs.can_run(batch):
                 logits = self.graphs.run(batch)
             else:
                 logits = self.runner.forward(batch)

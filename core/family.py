@@ -15,6 +15,7 @@ import torch
 
 from heron.core.batch import Batch
 from heron.core.cache_spec import CacheSpec, CacheTensors
+from heron.core.lora import LoraTarget
 from heron.core.sequence import Sequence
 
 
@@ -93,6 +94,12 @@ class ModelRunner(ABC):
 
         Called once for every `alloc_sequence` that returned something other than None.
         """
+
+    def lora_targets(self) -> tuple[LoraTarget, ...]:
+        """The projections LoRA adapters may change; () when the family takes no adapters.
+        A family that lists targets applies ``CacheTensors.lora`` to ``batch.lora_groups``
+        (see `heron.core.ops.lora`)."""
+        return ()
 
     def prefix_flops(self, num_tokens: int) -> float | None:
         """Approximate compute of a prefill of ``num_tokens`` tokens (``flop_aware``

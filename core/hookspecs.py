@@ -37,3 +37,16 @@ def heron_register_kernels(register):
         ``kernel_names`` are its ``extern "C"`` kernels, ``defines`` a dict of ``-D`` values
         (register the file once per define set it is used with).
     """
+
+
+@hookspec
+def heron_register_adapter_loaders(register):
+    """Register readers of LoRA adapter files (e.g. PEFT directories).
+
+    Called once when the plugin manager starts. Must be cheap: no adapter loading.
+
+    :param register: call ``register(format_name, load)`` per format, where
+        ``load(name, path, targets, max_rank)`` returns an `heron.core.lora.AdapterWeights`
+        for the `heron.core.lora.LoraTarget`\ s of the base model, or raises
+        `heron.core.lora.AdapterError` naming the adapter and the problem.
+    """

@@ -38,6 +38,18 @@ def allocate_cache(spec: CacheSpec, engine: EngineConfig, num_blocks: int, num_s
     return cache
 
 
+def allocate_lora(cache: CacheTensors, targets, num_slots: int, max_rank: int,
+                  dtype: torch.dtype, device: torch.device) -> None:
+    """Zeroed adapter slots for every `heron.core.lora.LoraTarget` (see ``CacheTensors.lora``)."""
+    for t in targets:
+        cache.lora[t.name] = (
+            torch.zeros(t.num_layers, num_slots, max_rank, t.in_features, dtype=dtype,
+                        device=device),
+            torch.zeros(t.num_layers, num_slots, t.out_features, max_rank, dtype=dtype,
+                        device=device))
+    cache.lora_scaling = torch.zeros(num_slots, dtype=dtype, device=device)
+
+
 def num_swap_blocks_for(spec: CacheSpec, engine: EngineConfig, dtype: torch.dtype) -> int:
     """``engine.num_swap_blocks`` when set, else as many blocks as ``swap_space_gb`` holds."""
     if engine.num_swap_blocks is not None:

@@ -26,6 +26,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
+from heron.core.adapter_pool import AdapterPool
 from heron.core.block_pool import BlockPool
 from heron.core.config import EngineConfig
 from heron.core.prefix_cache import Match, PrefixCache
@@ -48,6 +49,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     restores: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, snapshot id)
+    adapter_loads: list[tuple[str, int]] = field(default_factory=list)  # (adapter, slot)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -62,7 +64,8 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_pool: BlockPool,
                  prefix_cache: PrefixCache | None = None,
                  host_pool: BlockPool | None = None,
-                 snapshot_admission: str = "marconi", *, cache_generated: bool = True) -> None:
+                 snapshot_admission: str = "marconi", *, cache_generated: bool = True,
+                 adapter_pool: AdapterPool | None = None) -> None:
         """``cache_generated``: whether generated tokens' KV and states may be cached (False
         for a family that computes them differently from prompt tokens)."""
         self.block_size = config.block_size
@@ -75,6 +78,7 @@ class Scheduler:
         self.snapshots = prefix_cache is not None and prefix_cache.snapshots is not None
         self.snapshot_admission = snapshot_admission
         self.cache_generated = cache_generated
+        self.adapter_pool = adapter_pool
         self._splits: dict[int, dict[int, bool]] = {}  # seq id -> {position: commit?}
         self.waiting: deque[Sequence] = deque()
         self.swapped: deque[Sequence] = deque()
@@ -109,6 +113,24 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.block_pool.free(seq.block_table[::-1])  # tail first: see prefix_cache
         seq.block_table = []
+
+    def _acquire_adapter(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Give ``seq`` its adapter's slot (loaded this step if need be); False: no slot."""
+        adapter = seq.namespace.adapter
+        if not adapter or seq.lora_slot is not None:
+            return True
+        got = self.adapter_pool.acquire(adapter)
+        if got is None:
+            return False
+        seq.lora_slot, needs_load = got
+        if needs_load:
+            out.adapter_loads.append((adapter, seq.lora_slot))
+        return True
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.lora_slot is not None:
+            self.adapter_pool.release(seq.namespace.adapter)
+            seq.lora_slot = None
 
     def _cacheable(self, seq: Sequence) -> int:
         """How many leading tokens of ``seq`` may enter the prefix cache."""
@@ -184,6 +206,7 @@ class Scheduler:
             self.swapped.appendleft(seq)
         else:
             self._release(seq)
+            self._release_adapter(seq)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
@@ -241,6 +264,8 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self._acquire_adapter(seq, out):
+                break  # every adapter slot is in use: wait for one
             found = self._match(seq)
             num_tokens = seq.num_uncomputed_tokens
             if num_tokens > budget and self.chunked_prefill:
@@ -248,6 +273,7 @@ class Scheduler:
             needed = self._blocks_needed(seq, num_tokens)
             if num_tokens > budget or not self._can_allocate(needed):
                 self._release(seq)  # what the lookup took (the retry looks up afresh)
+                self._release_adapter(seq)
                 seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
@@ -287,6 +313,7 @@ class Scheduler:
             child.num_cached_tokens = 0
             self.add(child)
             return None
+        self._acquire_adapter(child, SchedulerOutput())  # resident: the parent holds it
         child.block_table = self.block_pool.fork(parent.block_table[:whole])
         copy = None
         if partial:
@@ -317,4 +344,5 @@ class Scheduler:
         if cache and seq.block_table:
             self.cache_computed(seq)
         self._release(seq)
+        self._release_adapter(seq)
         seq.status = SequenceStatus.FINISHED

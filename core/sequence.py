@@ -34,7 +34,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_table", "status", "params", "arrival", "family_state", "generator",
-        "namespace", "num_cached_tokens", "host_block_table", "state_slot",
+        "namespace", "num_cached_tokens", "host_block_table", "state_slot", "lora_slot",
     )
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
@@ -55,6 +55,7 @@ class Sequence:
         self.num_cached_tokens: int | None = None
         self.host_block_table: list[int] = []
         self.state_slot: int | None = None  # the engine's state slot while it runs
+        self.lora_slot: int | None = None  # its adapter's slot while it runs (namespace.adapter)
 
     def __len__(self) -> int:
         return len(self.token_ids)

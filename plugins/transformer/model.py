@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from heron.core.batch import Batch
 from heron.core.cache_spec import CacheTensors
 from heron.core.ops import paged_attention, rms_norm, rope_cos_sin_cache, rotary, silu_and_mul, write_kv
+from heron.core.ops.lora import LayerLora, layer_loras
 from heron.plugins.transformer.config import TransformerConfig
 
 
@@ -77,12 +78,18 @@ class Weights:
 
 def attention(h: torch.Tensor, w: AttentionWeights, shape: AttentionShape, batch: Batch,
               kv: tuple[torch.Tensor, torch.Tensor],
-              cos_sin: torch.Tensor | None) -> torch.Tensor:
+              cos_sin: torch.Tensor | None, lora: LayerLora | None = None) -> torch.Tensor:
     """Self-attention of ``h [T, hidden]`` over paged KV: qkv → (q/k norm) → rotary → write
     this step's K/V into ``kv = (k_cache, v_cache)`` → paged attention → o. ``cos_sin`` None:
-    no position embedding (NoPE layers). Returns ``[T, hidden]``."""
+    no position embedding (NoPE layers). ``lora``: adapter deltas for the projections.
+    Returns ``[T, hidden]``."""
     num_tokens = h.shape[0]
     qkv = F.linear(h, w.qkv, w.qkv_bias)
+    if lora is not None:
+        q_end, k_end = shape.q_size, shape.q_size + shape.kv_size
+        lora.apply("q_proj", h, qkv[:, :q_end])
+        lora.apply("k_proj", h, qkv[:, q_end:k_end])
+        lora.apply("v_proj", h, qkv[:, k_end:])
     q, k, v = qkv.split([shape.q_size, shape.kv_size, shape.kv_size], dim=-1)
     q = q.view(num_tokens, shape.num_heads, shape.head_dim)
     k = k.view(num_tokens, shape.num_kv_heads, shape.head_dim)
@@ -95,14 +102,29 @@ def attention(h: torch.Tensor, w: AttentionWeights, shape: AttentionShape, batch
     k_cache, v_cache = kv
     write_kv(k, v, k_cache, v_cache, batch.attn.slot_mapping)
     o = paged_attention(q, k_cache, v_cache, batch.attn, shape.scale)
-    return F.linear(o.reshape(num_tokens, shape.q_size), w.o, w.o_bias)
+    o = o.reshape(num_tokens, shape.q_size)
+    out = F.linear(o, w.o, w.o_bias)
+    if lora is not None:
+        lora.apply("o_proj", o, out)
+    return out
 
 
 def gated_mlp(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               gate_up_bias: torch.Tensor | None = None,
-              down_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """SwiGLU MLP: ``down(silu(gate(h)) * up(h))`` with gate/up fused (gate rows first)."""
-    return F.linear(silu_and_mul(F.linear(h, gate_up, gate_up_bias)), down, down_bias)
+              down_bias: torch.Tensor | None = None,
+              lora: LayerLora | None = None) -> torch.Tensor:
+    """SwiGLU MLP: ``down(silu(gate(h)) * up(h))`` with gate/up fused (gate rows first);
+    ``lora``: adapter deltas for the three projections."""
+    gu = F.linear(h, gate_up, gate_up_bias)
+    if lora is not None:
+        inter = gu.shape[1] // 2
+        lora.apply("gate_proj", h, gu[:, :inter])
+        lora.apply("up_proj", h, gu[:, inter:])
+    act = silu_and_mul(gu)
+    out = F.linear(act, down, down_bias)
+    if lora is not None:
+        lora.apply("down_proj", act, out)
+    return out
 
 
 class TransformerModel:
@@ -146,6 +168,7 @@ class TransformerModel:
         """Logits (float32) for ``batch.logits_indices``; writes every token's KV."""
         eps = self.cfg.rms_norm_eps
         x = F.embedding(batch.input_ids, self.embed)
+        loras = layer_loras(cache.lora, cache.lora_scaling, batch.lora_groups, len(self.layers))
         residual = None
         for i, layer in enumerate(self.layers):
             if residual is None:
@@ -153,9 +176,11 @@ class TransformerModel:
                 h, _ = rms_norm(x, layer.input_norm, eps)
             else:
                 h, residual = rms_norm(x, layer.input_norm, eps, residual)
-            x = attention(h, layer.attn, self.shape, batch, cache.layer_kv(i), self.cos_sin)
+            x = attention(h, layer.attn, self.shape, batch, cache.layer_kv(i), self.cos_sin,
+                          loras[i])
             h, residual = rms_norm(x, layer.post_norm, eps, residual)
-            x = gated_mlp(h, layer.gate_up, layer.down, layer.gate_up_bias, layer.down_bias)
+            x = gated_mlp(h, layer.gate_up, layer.down, layer.gate_up_bias, layer.down_bias,
+                          loras[i])
         rows = batch.logits_indices
         h, _ = rms_norm(x.index_select(0, rows), self.final_norm, eps,
                         residual.index_select(0, rows))

@@ -7,6 +7,7 @@ import torch
 from heron.core.batch import Batch
 from heron.core.cache_spec import CacheSpec, CacheTensors, KVCacheSpec
 from heron.core.family import ModelInfo, ModelRunner
+from heron.core.lora import LoraTarget
 from heron.plugins.transformer.model import TransformerModel
 
 
@@ -24,6 +25,16 @@ class TransformerRunner(ModelRunner):
 
     def bind_cache(self, cache: CacheTensors) -> None:
         self.cache = cache
+
+    def lora_targets(self) -> tuple[LoraTarget, ...]:
+        cfg = self.model.cfg
+        hidden, layers = self.model.embed.shape[1], cfg.num_layers
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        inter = self.model.layers[0].down.shape[1]
+        return tuple(LoraTarget(name, layers, i, o) for name, i, o in (
+            ("q_proj", hidden, q), ("k_proj", hidden, kv), ("v_proj", hidden, kv),
+            ("o_proj", q, hidden), ("gate_proj", hidden, inter), ("up_proj", hidden, inter),
+            ("down_proj", inter, hidden)))
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
