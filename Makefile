@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup model test serve bench bench-multiturn kernels-check clean
+.PHONY: setup model test serve bench bench-multiturn bench-lora kernels-check clean
 
 setup: $(STAMP) model
 
@@ -31,6 +31,9 @@ bench: setup
 
 bench-multiturn: setup
 	$(BIN)/python bench/multiturn.py
+
+bench-lora: setup
+	$(BIN)/python -m bench.lora
 
 clean:
 	rm -rf $(VENV) build *.egg-info

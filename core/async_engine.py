@@ -6,6 +6,9 @@ Threading contract (the Engine is not thread-safe):
   - everything else that touches the Engine (``add_request``, ``abort``) runs on the event
     loop thread inside the engine task, *between* steps, never while a step is in flight.
     Callers only enqueue commands; ``add`` awaits the engine task's verdict.
+  - Adapter changes (``load_adapter`` / ``unload_adapter``) also run between steps, in the
+    worker thread (loading reads files; the loop stays free), while the engine task waits
+    for them as it waits for a step. Readers on the loop use the `adapters` snapshot.
   - An abort enqueued while a step runs takes effect before the next step starts.
 
 Each step's live `RequestOutput` views are copied into immutable `RequestDelta`s on the worker
@@ -96,6 +99,23 @@ class _Pending:
     sink: Sink
     accepted: asyncio.Future
     tenant: str
+    adapter: str | None = None
+
+
+@dataclass(slots=True)
+class _AdapterCommand:
+    """An adapter change for the worker thread; ``done`` is settled once it ran."""
+
+    run: Callable[[], object]
+    done: asyncio.Future
+
+
+def _settle(future: asyncio.Future, error: Exception | None) -> None:
+    if not future.done():
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
 
 
 class _DeltaCopier:
@@ -152,7 +172,8 @@ class AsyncEngine:
     ``add`` raises `QueueFullError` when ``max_waiting_requests`` requests are already
     waiting, the Engine's ValueError for a request it cannot serve, and `EngineStoppedError`
     when the engine task is not running. Every accepted request gets deltas through its sink
-    until one with ``finished`` (also on abort, engine fault and shutdown).
+    until one with ``finished`` (also on abort, engine fault and shutdown). ``adapters``:
+    the loaded LoRA adapters (name -> path), a snapshot replaced after every adapter change.
     """
 
     def __init__(self, engine: Engine, *, max_waiting_requests: int = 256) -> None:
@@ -161,6 +182,8 @@ class AsyncEngine:
         self.stats = EngineStats(num_kv_blocks_total=engine.num_kv_blocks)
         self._pending: dict[str, _Pending] = {}
         self._aborts: set[str] = set()
+        self._adapter_commands: list[_AdapterCommand] = []
+        self.adapters = self._read_adapters()
         self._sinks: dict[str, Sink] = {}
         self._copier = _DeltaCopier()
         self._wake = asyncio.Event()
@@ -192,8 +215,9 @@ class AsyncEngine:
     # -- commands (event loop thread) ------------------------------------------------------
 
     async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                  sink: Sink, *, tenant: str = "") -> None:
-        """Queue a request; returns once the engine accepted it (deltas then go to ``sink``)."""
+                  sink: Sink, *, tenant: str = "", adapter: str | None = None) -> None:
+        """Queue a request; returns once the engine accepted it (deltas then go to ``sink``).
+        ``adapter``: the name of a loaded LoRA adapter to apply, or None for the base model."""
         if not self.is_running:
             raise EngineStoppedError("the engine is not running")
         if request_id in self._pending or request_id in self._sinks:
@@ -202,9 +226,28 @@ class AsyncEngine:
             raise QueueFullError(f"{self.max_waiting_requests} requests are already waiting")
         accepted = asyncio.get_running_loop().create_future()
         self._pending[request_id] = _Pending(request_id, prompt_ids, params, sink, accepted,
-                                             tenant)
+                                             tenant, adapter)
         self._wake.set()
         await accepted
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load the LoRA adapter at ``path`` as ``name``, between steps. Raises the Engine's
+        `heron.core.lora.AdapterError` for a bad adapter."""
+        await self._adapter_command(lambda: self.engine.add_adapter(name, path))
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload adapter ``name``, between steps. It does not wait for the requests using
+        it: the Engine's `heron.core.lora.AdapterBusyError` while any is running or waiting,
+        KeyError for an unknown name."""
+        await self._adapter_command(lambda: self.engine.remove_adapter(name))
+
+    async def _adapter_command(self, run: Callable[[], object]) -> None:
+        if not self.is_running:
+            raise EngineStoppedError("the engine is not running")
+        done = asyncio.get_running_loop().create_future()
+        self._adapter_commands.append(_AdapterCommand(run, done))
+        self._wake.set()
+        await done
 
     def abort(self, request_id: str) -> None:
         """Stop a request before the next step; unknown or finished ids are ignored."""
@@ -223,9 +266,13 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self._apply_commands()
+                if self._adapter_commands:  # rare; a stream of them must not starve the steps
+                    await self._run_adapter_commands(loop)
+                    self._apply_commands()  # what arrived meanwhile, before the next step
                 if not self.engine.has_unfinished():
                     self._wake.clear()
-                    if not self._pending and not self._aborts and not self._stopping:
+                    if not (self._pending or self._aborts or self._adapter_commands
+                            or self._stopping):
                         await self._wake.wait()
                     continue
                 # NOTE: no await between here and the step's end may touch the engine.
@@ -244,6 +291,10 @@ class AsyncEngine:
                 if not p.accepted.done():
                     p.accepted.set_exception(EngineStoppedError("the engine stopped"))
             self._pending.clear()
+            for c in self._adapter_commands:
+                if not c.done.done():
+                    c.done.set_exception(EngineStoppedError("the engine stopped"))
+            self._adapter_commands.clear()
             if self._inflight is None or self._inflight.done():
                 self._stop_all("abort", None)
             else:  # cancelled mid-step: the worker still owns the engine, leave it alone
@@ -259,13 +310,35 @@ class AsyncEngine:
             if p.accepted.done():  # its caller was cancelled while waiting: nobody to serve
                 continue
             try:
-                self.engine.add_request(p.request_id, p.prompt_ids, p.params, tenant=p.tenant)
+                self.engine.add_request(p.request_id, p.prompt_ids, p.params, tenant=p.tenant,
+                                        adapter=p.adapter)
             except Exception as e:  # the Engine's ValueError reaches the caller as is
                 p.accepted.set_exception(e)
                 continue
             self._sinks[p.request_id] = p.sink
             p.accepted.set_result(None)
         self.stats = self._read_stats()
+
+    async def _run_adapter_commands(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The adapter changes queued now, in turn, in the worker thread. A command stays
+        queued until settled, so that `_run`'s ``finally`` fails it if the task is cancelled."""
+        for _ in range(len(self._adapter_commands)):
+            c = self._adapter_commands[0]
+            if not c.done.done():  # else its caller was cancelled while waiting
+                # NOTE: no await between here and the command's end may touch the engine
+                self._inflight = loop.run_in_executor(self._executor, c.run)
+                try:
+                    await self._inflight
+                except Exception as e:  # the Engine's AdapterError / KeyError reach the caller
+                    _settle(c.done, e)
+                else:
+                    _settle(c.done, None)
+                self.adapters = self._read_adapters()
+            self._adapter_commands.pop(0)
+
+    def _read_adapters(self) -> dict[str, str]:
+        """Loaded adapters, name -> source path (a new dict after every change)."""
+        return {name: weights.path for name, weights in self.engine.adapters.items()}
 
     def _step(self) -> tuple[list[RequestDelta], EngineStats]:
         """Worker thread: one step, its outputs copied out before the next step."""

@@ -60,8 +60,9 @@ class Batch:
     # families with per-sequence states: the slot of each sequence (device and host copies)
     state_slots: torch.Tensor | None = None  # [B] int64
     state_slots_list: list[int] | None = None
-    # LoRA: (adapter slot, flat rows using it), one entry per adapter in the batch
-    lora_groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # LoRA: (adapter slot, first row, end row) per run of rows using one adapter; the
+    # engine orders sequences by adapter, so that is one segment per adapter
+    lora_groups: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

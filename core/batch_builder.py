@@ -48,13 +48,16 @@ class BatchBuilder:
         for n in query_lens:
             qsl.append(qsl[-1] + n)
         dev = self.device
-        lora_rows: dict[int, list[int]] = {}
+        lora_segments: list[tuple[int, int, int]] = []
         row = 0
         for item in scheduled:
-            if item.seq.lora_slot is not None:
-                lora_rows.setdefault(item.seq.lora_slot, []).extend(
-                    range(row, row + item.num_tokens))
-            row += item.num_tokens
+            slot, end = item.seq.lora_slot, row + item.num_tokens
+            if slot is not None:
+                if lora_segments and lora_segments[-1][0] == slot and lora_segments[-1][2] == row:
+                    lora_segments[-1] = (slot, lora_segments[-1][1], end)
+                else:
+                    lora_segments.append((slot, row, end))
+            row = end
         slot_list = [item.seq.state_slot for item in scheduled]
         if None in slot_list:
             slot_list = None
@@ -74,5 +77,4 @@ class BatchBuilder:
             state_slots=(None if slot_list is None else
                          torch.tensor(slot_list, dtype=torch.int64).to(dev, non_blocking=True)),
             state_slots_list=slot_list,
-            lora_groups=[(slot, torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True))
-                         for slot, rows in lora_rows.items()])
+            lora_groups=lora_segments)

@@ -59,7 +59,7 @@ class CacheTensors:
     kv: torch.Tensor | None = None
     states: dict[str, torch.Tensor] = field(default_factory=dict)
     # LoRA adapter slots (families with `lora_targets`, when adapters are configured):
-    # target -> (A [layers, slots, max_rank, in], B [layers, slots, out, max_rank])
+    # target -> (A [layers, slots, max_rank, in], B transposed [layers, slots, max_rank, out])
     lora: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     lora_scaling: torch.Tensor | None = None  # [slots]
 

@@ -161,7 +161,7 @@ class Engine:
                 if pair is not None:
                     rank = pair[0].shape[0]
                     a[i, slot, :rank].copy_(pair[0])
-                    b[i, slot, :, :rank].copy_(pair[1])
+                    b[i, slot, :rank].copy_(pair[1].T)
         self.cache.lora_scaling[slot] = weights.scaling
 
     # -- requests ------------------------------------------------------------------------
@@ -266,6 +266,9 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        if self.adapter_pool is not None:  # each adapter's rows one segment (ops.lora)
+            sched.scheduled.sort(key=lambda item: -1 if item.seq.lora_slot is None
+                                 else item.seq.lora_slot)
         for seq in sched.preempted:
             self._free_family_state(seq)
             if self.states is not None:

@@ -47,6 +47,6 @@ def heron_register_adapter_loaders(register):
 
     :param register: call ``register(format_name, load)`` per format, where
         ``load(name, path, targets, max_rank)`` returns an `heron.core.lora.AdapterWeights`
-        for the `heron.core.lora.LoraTarget`\ s of the base model, or raises
+        for the base model's `heron.core.lora.LoraTarget` list, or raises
         `heron.core.lora.AdapterError` naming the adapter and the problem.
     """

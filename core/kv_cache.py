@@ -45,7 +45,7 @@ def allocate_lora(cache: CacheTensors, targets, num_slots: int, max_rank: int,
         cache.lora[t.name] = (
             torch.zeros(t.num_layers, num_slots, max_rank, t.in_features, dtype=dtype,
                         device=device),
-            torch.zeros(t.num_layers, num_slots, t.out_features, max_rank, dtype=dtype,
+            torch.zeros(t.num_layers, num_slots, max_rank, t.out_features, dtype=dtype,
                         device=device))
     cache.lora_scaling = torch.zeros(num_slots, dtype=dtype, device=device)
 

@@ -18,7 +18,8 @@ import pluggy
 from heron.core import hookspecs
 from heron.core.family import FamilySpec
 
-DEFAULT_PLUGINS = ("heron.plugins.transformer.plugin", "heron.plugins.hybrid_ssm.plugin")
+DEFAULT_PLUGINS = ("heron.plugins.transformer.plugin", "heron.plugins.hybrid_ssm.plugin",
+                   "heron.plugins.lora.plugin")
 ENTRY_POINT_GROUP = "heron"
 
 
@@ -50,6 +51,7 @@ class PluginManager:
         self._allow = allow
         self.plugins: dict[str, PluginInfo] = {}
         self.families: dict[str, FamilySpec] = {}
+        self.adapter_loaders: dict[str, object] = {}  # format name -> load callable
         for module in DEFAULT_PLUGINS:
             self._load(module.rsplit(".", 2)[-2], module, None)
         if load_entry_points:
@@ -77,6 +79,9 @@ class PluginManager:
         self.plugins[name] = PluginInfo(name, module, version)
         self._call_for(name, "heron_register_families",
                        register=lambda spec: self._register_family(name, spec))
+        self._call_for(name, "heron_register_adapter_loaders",
+                       register=lambda fmt, load: self._register_adapter_loader(name, fmt,
+                                                                                load))
 
     def _call_for(self, name: str, hook: str, **kwargs) -> list:
         """Call ``hook`` on plugin ``name`` alone, so what it registers is attributed to it."""
@@ -91,6 +96,12 @@ class PluginManager:
                               f"(again by plugin {plugin_name!r})")
         self.families[spec.name] = spec
         self.plugins[plugin_name].families.append(spec.name)
+
+    def _register_adapter_loader(self, plugin_name: str, fmt: str, load) -> None:
+        if fmt in self.adapter_loaders:
+            raise PluginError(f"adapter format {fmt!r} is registered twice "
+                              f"(again by plugin {plugin_name!r})")
+        self.adapter_loaders[fmt] = load
 
     def kernel_files(self) -> list[tuple[str, tuple[str, ...], dict | None]]:
         registered: list[tuple[str, tuple[str, ...], dict | None]] = []

@@ -16,18 +16,34 @@ from heron.server.errors import APIError, bad_request
 from heron.server.protocol import ChatMessage, SamplingFields
 
 
-def check_request(app: web.Application, req: SamplingFields) -> None:
-    """Refuse unsupported fields by name and models this server does not serve."""
+def check_request(app: web.Application, req: SamplingFields) -> str | None:
+    """Refuse unsupported fields by name and models this server does not serve; the LoRA
+    adapter the request names (see `check_model`)."""
     if (name := req.unsupported_field()) is not None:
         raise bad_request(f"`{name}` is not supported by this server", param=name,
                           code="unsupported_field")
-    check_model(app, req.model)
+    return check_model(app, req.model)
 
 
-def check_model(app: web.Application, model: str | None) -> None:
-    if model is not None and model != app[MODEL_NAME]:
-        raise APIError(404, f"the model `{model}` does not exist; this server serves "
-                       f"`{app[MODEL_NAME]}`", param="model", code="model_not_found")
+def check_model(app: web.Application, model: str | None) -> str | None:
+    """The LoRA adapter ``model`` names, None for the base model (by name or no name); a
+    404 for anything else. The base model's name wins over an adapter of the same name."""
+    if model is None or model == app[MODEL_NAME]:
+        return None
+    adapters = app[ASYNC_ENGINE].adapters
+    if model in adapters:
+        return model
+    raise APIError(404, f"the model `{model}` does not exist; this server serves "
+                   f"`{app[MODEL_NAME]}`{_adapter_list(list(adapters))}", param="model",
+                   code="model_not_found")
+
+
+def _adapter_list(names: list[str], limit: int = 20) -> str:
+    if not names:
+        return ""
+    shown = ", ".join(f"`{n}`" for n in names[:limit])
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f" and the LoRA adapter{'s' if len(names) > 1 else ''} {shown}{more}"
 
 
 def tokenizer_of(app: web.Application):

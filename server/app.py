@@ -11,8 +11,8 @@ from aiohttp import web
 from heron.core.async_engine import AsyncEngine
 from heron.core.config import Config
 from heron.core.engine import Engine
-from heron.server.appkeys import (ASYNC_ENGINE, CONFIG, CREATED_AT, METRICS, MODEL_NAME,
-                                  TOKEN_TEXTS)
+from heron.server.appkeys import (ADAPTER_LOCK, ASYNC_ENGINE, CONFIG, CREATED_AT, METRICS,
+                                  MODEL_NAME, TOKEN_TEXTS)
 from heron.server.errors import error_middleware
 from heron.server.logprob_format import TokenTexts
 from heron.server.metrics import Metrics
@@ -30,6 +30,7 @@ def create_app(config: Config, *, engine: Engine | None = None) -> web.Applicati
         middlewares=[request_id_middleware, error_middleware,
                      auth_middleware(config.server.api_keys)])
     app[CONFIG] = config
+    app[ADAPTER_LOCK] = asyncio.Lock()
     app.cleanup_ctx.append(_engine_context(engine))
     app.on_response_prepare.append(echo_request_id)
     setup_routes(app)
@@ -57,7 +58,11 @@ def _engine_context(given: Engine | None):
         app[CREATED_AT] = int(time.time())
         async_engine.start()
         log.info("engine started", model=app[MODEL_NAME], kv_blocks=engine.num_kv_blocks,
-                 max_model_len=engine.max_model_len, device=str(engine.device))
+                 max_model_len=engine.max_model_len, device=str(engine.device),
+                 adapters=sorted(async_engine.adapters))
+        if app[MODEL_NAME] in async_engine.adapters:
+            log.warning("a LoRA adapter has the base model's name; that name serves the base "
+                        "model", adapter=app[MODEL_NAME])
         yield
         await async_engine.stop()
         log.info("engine stopped")

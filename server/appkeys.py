@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 from heron.core.async_engine import AsyncEngine
@@ -15,5 +17,7 @@ METRICS = web.AppKey("metrics", Metrics)
 MODEL_NAME = web.AppKey("model_name", str)
 TOKEN_TEXTS = web.AppKey("token_texts", TokenTexts)
 CREATED_AT = web.AppKey("created_at", int)  # unix time the model was loaded
+ADAPTER_LOCK = web.AppKey("adapter_lock", asyncio.Lock)  # one adapter load/unload at a time
 
-__all__ = ["ASYNC_ENGINE", "CONFIG", "CREATED_AT", "METRICS", "MODEL_NAME", "TOKEN_TEXTS"]
+__all__ = ["ADAPTER_LOCK", "ASYNC_ENGINE", "CONFIG", "CREATED_AT", "METRICS", "MODEL_NAME",
+           "TOKEN_TEXTS"]

@@ -24,7 +24,7 @@ from heron.server.sse import EventStream
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     app = request.app
     req = await decode_body(request, ChatCompletionRequest)
-    check_request(app, req)
+    adapter = check_request(app, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
     prompt_ids = chat_prompt(app, req.messages, add_generation_prompt=req.add_generation_prompt,
@@ -33,7 +33,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     check_fits(app, prompt_ids, max_tokens, "messages")
     params = sampling_params(req, max_tokens=max_tokens,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None)
-    async with Generation(request, "chatcmpl", [prompt_ids], params, req.cache_salt) as gen:
+    async with Generation(request, "chatcmpl", [prompt_ids], params, req.cache_salt,
+                          adapter=adapter) as gen:
         if req.stream:
             return await _stream(request, req, gen)
         await gen.run_to_end()

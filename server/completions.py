@@ -23,7 +23,7 @@ from heron.server.sse import EventStream
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     req = await decode_body(request, CompletionRequest)
-    check_request(request.app, req)
+    adapter = check_request(request.app, req)
     score_only = req.echo and req.max_tokens == 0
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("`max_tokens` must be >= 1 (0 is allowed only with `echo`)",
@@ -35,7 +35,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
                              prompt_logprobs=req.logprobs if req.echo else None)
     view = _View(request, req, texts, prompts, score_only)
-    async with Generation(request, "cmpl", prompts, params, req.cache_salt) as gen:
+    async with Generation(request, "cmpl", prompts, params, req.cache_salt,
+                          adapter=adapter) as gen:
         if req.stream:
             return await view.stream(gen)
         await gen.run_to_end()

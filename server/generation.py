@@ -51,11 +51,13 @@ class Generation:
     """The engine requests of one API call; see the module docstring for the contract."""
 
     def __init__(self, request: web.Request, kind: str, prompts: list[list[int]],
-                 params: SamplingParams, cache_salt: str | None = None) -> None:
+                 params: SamplingParams, cache_salt: str | None = None, *,
+                 adapter: str | None = None) -> None:
         app = request.app
         self._request = request
         self.engine, self.metrics = app[ASYNC_ENGINE], app[METRICS]
-        self.model = app[MODEL_NAME]
+        self.adapter = adapter  # a LoRA adapter's name; responses then name it as the model
+        self.model = adapter or app[MODEL_NAME]
         self.log_requests = app[CONFIG].logging.log_requests
         self.id = f"{kind}-{uuid.uuid4().hex}"
         self.request_id = request_id_of(request)
@@ -83,9 +85,13 @@ class Generation:
                 self._live.add(rid)
                 await self.engine.add(rid, prompt_ids, self.params,
                                       lambda delta, p=p: self._queue.put_nowait((p, delta)),
-                                      tenant=self.tenant)
+                                      tenant=self.tenant, adapter=self.adapter)
         except BaseException as e:
             self._abort_live()
+            if (isinstance(e, ValueError) and self.adapter is not None
+                    and self.adapter not in self.engine.adapters):  # unloaded meanwhile
+                e = APIError(404, f"the LoRA adapter `{self.adapter}` was unloaded",
+                             param="model", code="model_not_found")
             raise _admission_error(e, self.metrics) from None
         self.metrics.prompt_tokens.inc(sum(map(len, self.prompts)))
         return self

@@ -22,11 +22,18 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """The base model, then each LoRA adapter (``parent``: the base model, ``root``: its
+    path), as vLLM lists them."""
     app = request.app
-    engine = app[ASYNC_ENGINE].engine
-    card = ModelCard(id=app[MODEL_NAME], created=app[CREATED_AT], root=engine.runner.info.name,
-                     max_model_len=engine.max_model_len)
-    return _json(ModelList(data=[card]))
+    async_engine = app[ASYNC_ENGINE]
+    engine = async_engine.engine
+    base = app[MODEL_NAME]
+    cards = [ModelCard(id=base, created=app[CREATED_AT], root=engine.runner.info.name,
+                       max_model_len=engine.max_model_len)]
+    cards += [ModelCard(id=name, created=app[CREATED_AT], root=path, parent=base,
+                        max_model_len=engine.max_model_len)
+              for name, path in async_engine.adapters.items() if name != base]
+    return _json(ModelList(data=cards))
 
 
 async def metrics(request: web.Request) -> web.Response:

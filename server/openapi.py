@@ -12,10 +12,10 @@ from heron.server import responses as res
 
 _REF = "#/components/schemas/{name}"
 
-# (method, path, summary, request body, response body, streams SSE)
+# (method, path, summary, request body, response body (str: plain text), streams SSE)
 ROUTES = (
     ("get", "/health", "Liveness: 200 while the engine runs", None, res.HealthResponse, False),
-    ("get", "/v1/models", "The served model", None, res.ModelList, False),
+    ("get", "/v1/models", "The served model and its LoRA adapters", None, res.ModelList, False),
     ("post", "/v1/completions", "Text completion", req.CompletionRequest,
      res.CompletionResponse, True),
     ("post", "/v1/chat/completions", "Chat completion", req.ChatCompletionRequest,
@@ -24,6 +24,10 @@ ROUTES = (
      res.TokenizeResponse, False),
     ("post", "/detokenize", "Text of token ids", req.DetokenizeRequest,
      res.DetokenizeResponse, False),
+    ("post", "/v1/load_lora_adapter", "Load a LoRA adapter (with `lora.allow_runtime_updates`; "
+     "`lora_path` inside `lora.allowed_dirs`)", req.LoadLoraAdapterRequest, str, False),
+    ("post", "/v1/unload_lora_adapter", "Unload a LoRA adapter; 409 while requests use it "
+     "(it does not wait)", req.UnloadLoraAdapterRequest, str, False),
 )
 
 
@@ -40,14 +44,15 @@ def _json_content(schema: dict) -> dict:
 
 @functools.cache
 def openapi_document() -> bytes:
-    types = [t for *_, body, out, _ in ROUTES for t in (body, out) if t is not None]
+    types = [t for *_, body, out, _ in ROUTES for t in (body, out) if t not in (None, str)]
     types += [res.ChatCompletionChunk, res.ErrorResponse]
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     by_type = dict(zip(types, schemas))
     error = {"description": "error", "content": _json_content(by_type[res.ErrorResponse])}
     paths: dict[str, dict] = {}
     for method, path, summary, body, out, streams in ROUTES:
-        content = _json_content(by_type[out])
+        content = ({"text/plain": {"schema": {"type": "string"}}} if out is str
+                   else _json_content(by_type[out]))
         if streams:
             content["text/event-stream"] = {"schema": {"type": "string", "description":
                 "`data: <chunk JSON>` events (ChatCompletionChunk / CompletionResponse), "

@@ -167,3 +167,18 @@ class TokenizeRequest(_Body, kw_only=True):
 class DetokenizeRequest(_Body, kw_only=True):
     model: str | None = None
     tokens: list[NonNegInt]
+
+
+AdapterName = Annotated[str, Meta(min_length=1, max_length=256)]
+
+
+class LoadLoraAdapterRequest(_Body, kw_only=True):
+    """vLLM's /v1/load_lora_adapter: ``lora_path`` is a PEFT adapter directory."""
+
+    lora_name: AdapterName
+    lora_path: Annotated[str, Meta(min_length=1, max_length=4096)]
+
+
+class UnloadLoraAdapterRequest(_Body, kw_only=True):
+    lora_name: AdapterName
+    lora_int_id: int | None = None  # vLLM's; accepted and ignored

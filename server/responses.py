@@ -119,11 +119,15 @@ class ChatCompletionChunk(_Out, kw_only=True):
 # -- other routes ------------------------------------------------------------------------
 
 class ModelCard(_Out, kw_only=True):
+    """A served model. A LoRA adapter's card (vLLM's convention) has the base model's id as
+    ``parent`` and the adapter's path as ``root``."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "heron"
     root: str
+    parent: str | None = None
     max_model_len: int
 
 

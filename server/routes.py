@@ -7,6 +7,7 @@ from aiohttp import web
 from heron.server.chat import create_chat_completion
 from heron.server.completions import create_completion
 from heron.server.info import health, list_models, metrics, openapi
+from heron.server.lora import load_lora_adapter, unload_lora_adapter
 from heron.server.tokenize import detokenize, tokenize
 
 
@@ -19,3 +20,5 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)

@@ -71,6 +71,24 @@ def test_hook_heron_register_kernels(tmp_path):
     assert (str(source), ("k",), {"N": 4}) in pm.kernel_files()
 
 
+def test_hook_heron_register_adapter_loaders():
+    def load(name, path, targets, max_rank):
+        raise NotImplementedError
+
+    class FakeFormat:
+        @hookimpl
+        def heron_register_adapter_loaders(self, register):
+            register("fake-format", load)
+
+    pm = PluginManager(load_entry_points=False)
+    pm.register(FakeFormat(), name="fake-format-plugin")
+    assert pm.adapter_loaders["fake-format"] is load
+    from heron.plugins.lora.plugin import load_adapter
+    assert pm.adapter_loaders["peft"] is load_adapter  # the built-in lora plugin
+    with pytest.raises(PluginError, match="adapter format 'fake-format' is registered twice"):
+        pm.register(type("Again", (FakeFormat,), {})(), name="again")
+
+
 def test_misspelled_hook_fails_at_registration():
     class Typo:
         @hookimpl

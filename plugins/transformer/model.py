@@ -168,7 +168,8 @@ class TransformerModel:
         """Logits (float32) for ``batch.logits_indices``; writes every token's KV."""
         eps = self.cfg.rms_norm_eps
         x = F.embedding(batch.input_ids, self.embed)
-        loras = layer_loras(cache.lora, cache.lora_scaling, batch.lora_groups, len(self.layers))
+        loras = layer_loras(cache.lora, cache.lora_scaling, batch.lora_groups,
+                            batch.num_tokens, len(self.layers))
         residual = None
         for i, layer in enumerate(self.layers):
             if residual is None:

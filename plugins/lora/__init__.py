@@ -1,0 +1,3 @@
+"""Multi-LoRA adapters: the PEFT adapter format."""
+
+__all__: list[str] = []
