@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from heron.core.config import load_config
@@ -45,3 +47,16 @@ def assert_no_leaks(engine: Engine) -> None:
     assert pool.num_used_blocks == pool.num_evictable_blocks == cached
     host = engine.scheduler.host_pool
     assert host is None or host.num_used_blocks == 0
+
+
+def run_one(engine: Engine, prompt, params, **kw):
+    """Add one request (``kw``: tenant, adapter) and step until it finishes; its output."""
+    request_id = f"one-{next(_ids)}"
+    engine.add_request(request_id, prompt, params, **kw)
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                return out
+
+
+_ids = itertools.count()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from heron.core.sampling_params import SamplingParams
-from tests.engine_utils import make_engine
+from tests.engine_utils import make_engine, run_one
 from tests.hybrid_models import HYBRIDS, build_hybrid
 
 BS = 8
@@ -38,12 +38,7 @@ def greedy(max_tokens=16):
 
 
 def run(engine, prompt, params=None, **kw):
-    rid = f"r{random.random()}"
-    engine.add_request(rid, prompt, params or greedy(), **kw)
-    while True:
-        for out in engine.step():
-            if out.request_id == rid and out.finished:
-                return out
+    return run_one(engine, prompt, params or greedy(), **kw)
 
 
 def assert_same(out, ref):

@@ -13,7 +13,7 @@ import torch
 
 from heron.core.sampling_params import SamplingParams
 from heron.core.sequence import SequenceStatus
-from tests.engine_utils import assert_no_leaks, make_engine
+from tests.engine_utils import assert_no_leaks, make_engine, run_one
 from tests.tiny_models import build_tiny
 
 BS = 16
@@ -51,12 +51,7 @@ def greedy(max_tokens=12, **kw):
 
 
 def run(engine, prompt, params=None, **kw):
-    rid = f"r{random.random()}"
-    engine.add_request(rid, prompt, params or greedy(), **kw)
-    while True:
-        for out in engine.step():
-            if out.request_id == rid and out.finished:
-                return out
+    return run_one(engine, prompt, params or greedy(), **kw)
 
 
 def same_tokens_and_logprobs(a, b):
