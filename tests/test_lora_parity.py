@@ -181,3 +181,16 @@ def test_smollm2_gguf_adapter_matches_peft(default_gguf_path, tmp_path):
     print(f"max abs logit error SmolLM2 all-r8: {worst:.2e}")
     assert worst <= 1e-4
     assert done["gguf"].outputs[0].token_ids == greedy(oracle, prompt, NUM_NEW)
+
+
+def test_a_bad_adapter_at_start_up_is_skipped_and_named(setup, tmp_path, caplog):
+    _, paths, _, _ = setup
+    good = next(iter(paths))
+    with caplog.at_level("ERROR", logger="heron.core.engine"):
+        engine = make_engine(setup[0], **{
+            "lora.adapters": {good: str(paths[good]), "missing": str(tmp_path / "nope")},
+            "lora.max_rank": 16})
+    assert set(engine.adapters) == {good}
+    assert any("'missing'" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="unknown adapter 'missing'"):
+        engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2), adapter="missing")
