@@ -26,9 +26,6 @@ class AdapterPool:
     def num_referenced(self) -> int:
         return sum(1 for n in self._refs.values() if n)
 
-    def slot_of(self, key: str) -> int | None:
-        return self._slot_of.get(key)
-
     def refcount(self, key: str) -> int:
         return self._refs.get(key, 0)
 
