@@ -49,6 +49,16 @@ class ModelInfo:
     device: torch.device
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def of_checkpoint(cls, name: str, vocab_size: int, max_context_len: int,
+                      config_eos: tuple[int, ...], tokenizer, dtype: torch.dtype,
+                      device: torch.device) -> ModelInfo:
+        """Stop tokens: the tokenizer's end-of-sequence ids first, then the config's."""
+        eos = tokenizer.eos_token_ids if tokenizer is not None and tokenizer.eos_token_ids else ()
+        return cls(name=name, vocab_size=vocab_size, max_context_len=max_context_len,
+                   eos_token_ids=tuple(dict.fromkeys((*eos, *config_eos))), dtype=dtype,
+                   device=device)
+
 
 class ModelRunner(ABC):
     """A loaded model of one family, driven by the engine.

@@ -34,10 +34,6 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
     del tensors
     if model.unused_tensors:
         log.warning("checkpoint tensors not used: %s", model.unused_tensors[:8])
-    eos = tokenizer.eos_token_ids if tokenizer is not None and tokenizer.eos_token_ids else ()
-    info = ModelInfo(
-        name=source.name, vocab_size=cfg.vocab_size,
-        max_context_len=cfg.max_position_embeddings,
-        eos_token_ids=tuple(dict.fromkeys((*eos, *cfg.eos_token_ids))),
-        dtype=dtype, device=device)
+    info = ModelInfo.of_checkpoint(source.name, cfg.vocab_size, cfg.max_position_embeddings,
+                                   cfg.eos_token_ids, tokenizer, dtype, device)
     return LoadedModel(TransformerRunner(model, info), tokenizer)
