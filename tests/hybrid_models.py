@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from tests.tiny_models import save_tokenizer
+from tests.tiny_models import randomise_weights, save_tokenizer
 
 COMMON = dict(vocab_size=320, hidden_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
               tie_word_embeddings=False)
@@ -72,12 +72,9 @@ def build_hybrid(kind: str, directory: Path, seed: int = 0, std: float = 0.15):
     model = model_cls(config_cls(**{**COMMON, **config})).eval()
     if model._can_set_experts_implementation():
         model.set_experts_implementation("eager")  # the plain per-expert loop
+    randomise_weights(model, std)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.8, 1.2)
-            else:
-                p.normal_(0.0, std)
             if kind in TWEAKS:
                 TWEAKS[kind](name, p)
         for name, b in model.named_buffers():

@@ -53,6 +53,16 @@ def save_tokenizer(directory: Path) -> None:
     fast.save_pretrained(directory)
 
 
+@torch.no_grad()
+def randomise_weights(model, std: float) -> None:
+    """Norm weights uniform in [0.8, 1.2], every other parameter normal(0, ``std``)."""
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.uniform_(0.8, 1.2)
+        else:
+            p.normal_(0.0, std)
+
+
 def build_tiny(kind: str, directory: Path, seed: int = 0, std: float = 0.3, **config):
     """Save a tiny ``kind`` model with weights scaled so logits are O(1–10); return it.
 
@@ -61,12 +71,7 @@ def build_tiny(kind: str, directory: Path, seed: int = 0, std: float = 0.3, **co
     torch.manual_seed(seed)
     model_cls, config_cls, extra = FAMILIES[kind]
     model = model_cls(config_cls(**{**COMMON, **extra, **config})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.8, 1.2)
-            else:
-                p.normal_(0.0, std)
+    randomise_weights(model, std)
     model.save_pretrained(directory)
     save_tokenizer(directory)
     return model
