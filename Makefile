@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup model test serve bench bench-multiturn bench-lora kernels-check clean
+.PHONY: setup model test serve bench bench-offline bench-profile bench-multiturn bench-lora kernels-check clean
 
 setup: $(STAMP) model
 
@@ -26,11 +26,23 @@ test: setup
 serve: setup
 	$(BIN)/heron serve
 
+# heron against vLLM CPU and llama.cpp, one after another (peers set up once, in their own
+# directories; one that fails to set up is skipped by the comparison, which says so).
 bench: setup
-	$(BIN)/python bench/offline.py
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	-bash bench/peers/setup_vllm.sh
+	-bash bench/peers/setup_llamacpp.sh
+	$(BIN)/python -m bench.compare
+
+bench-profile: setup
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python -m bench.profile_server
+
+bench-offline: setup
+	$(BIN)/python -m bench.offline
 
 bench-multiturn: setup
-	$(BIN)/python bench/multiturn.py
+	$(BIN)/python -m bench.multiturn
 
 bench-lora: setup
 	$(BIN)/python -m bench.lora

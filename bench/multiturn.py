@@ -19,7 +19,6 @@ import asyncio
 import datetime as dt
 import json
 import platform
-import random
 import statistics
 import time
 from pathlib import Path
@@ -29,37 +28,7 @@ import openai
 import torch
 from aiohttp import web
 
-TOPICS = ["remote work", "travel expenses", "security badges", "code review", "vacation days",
-          "customer data", "parental leave", "on-call duty", "hardware requests", "training",
-          "meeting rooms", "open source", "overtime", "gifts from vendors", "incident reports",
-          "performance reviews"]
-FOLLOW_UPS = ["Why does that rule exist?", "Give one concrete example.",
-              "Summarize your last answer in one short sentence."]
-
-SUBJECTS = ["Every employee", "Each team lead", "A new hire", "The security office",
-            "Contractors", "The finance team", "Any manager", "The people team"]
-VERBS = ["must document", "should review", "is responsible for", "may not delay",
-         "is expected to report", "will approve", "needs to confirm", "must never share"]
-OBJECTS = ["all requests for {t}", "changes that affect {t}", "the yearly budget for {t}",
-           "questions about {t}", "written records of {t}", "exceptions to the rules on {t}"]
-CLAUSES = ["within five working days", "before the end of each quarter",
-           "in the shared policy tracker", "after talking to their manager",
-           "unless the director agrees otherwise", "using the approved form"]
-
-
-def system_prompt(num_sentences: int) -> str:
-    """A deterministic, varied policy text; the fixed seed keeps both runs (and dates) equal."""
-    rng = random.Random(1234)
-    lines = ["You are the assistant of Northwind Lattice Ltd. Answer staff questions briefly, "
-             "following the company policy below."]
-    for i in range(num_sentences):
-        topic = TOPICS[i % len(TOPICS)]
-        if i % len(TOPICS) == 0:
-            lines.append(f"\nPart {i // len(TOPICS) + 1}.")
-        lines.append(f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} "
-                     f"{rng.choice(OBJECTS).format(t=topic)} {rng.choice(CLAUSES)}.")
-    return " ".join(lines)
-
+from bench.workloads import FOLLOW_UPS, policy_question, system_prompt
 
 def percentile(xs: list[float], q: int) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
@@ -85,7 +54,7 @@ async def one_turn(client: openai.AsyncOpenAI, model: str, messages, max_tokens:
 
 async def conversation(client, model, system: str, conv: int, turns: int, max_tokens: int):
     messages = [{"role": "system", "content": system}]
-    questions = [f"What does the policy say about {TOPICS[conv % len(TOPICS)]}?", *FOLLOW_UPS]
+    questions = [policy_question(conv), *FOLLOW_UPS]
     results = []
     for turn in range(turns):
         messages.append({"role": "user", "content": questions[turn % len(questions)]})

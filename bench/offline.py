@@ -18,14 +18,7 @@ from pathlib import Path
 
 import torch
 
-TOPICS = ["the sea", "a lighthouse", "bread", "rivers", "a robot", "winter", "chess", "bees",
-          "the moon", "trains", "a garden", "volcanoes", "libraries", "owls", "rain", "clocks"]
-TASKS = ["Write a short poem about {}.", "Explain {} to a child.",
-         "List three facts about {}.", "Tell a story about {} in a few sentences."]
-
-
-def chat_prompts(n: int) -> list[list[dict]]:
-    return [[{"role": "user", "content": TASKS[i % 4].format(TOPICS[i % 16])}] for i in range(n)]
+from bench.workloads import chat_prompts
 
 
 def bench_heron(model_path: Path, messages, max_tokens: int, max_seqs: int) -> dict:

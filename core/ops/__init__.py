@@ -6,11 +6,12 @@ torch implementation and the oracle for the CUDA kernel of the same name.
 
 from heron.core.ops.activation import silu_and_mul, silu_and_mul_ref
 from heron.core.ops.attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
+from heron.core.ops.linear import linear, pack_weight
 from heron.core.ops.norm import rms_norm, rms_norm_ref
 from heron.core.ops.rotary import rope_cos_sin_cache, rope_inv_freq, rotary, rotary_ref
 
 __all__ = [
-    "paged_attention", "paged_attention_ref", "rms_norm", "rms_norm_ref", "rope_cos_sin_cache",
+    "linear", "pack_weight", "paged_attention", "paged_attention_ref", "rms_norm", "rms_norm_ref", "rope_cos_sin_cache",
     "rope_inv_freq", "rotary", "rotary_ref", "silu_and_mul", "silu_and_mul_ref", "write_kv",
     "write_kv_ref",
 ]

@@ -23,8 +23,10 @@ def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
     """Rows ``[:length]`` of the sequence whose block ids are ``blocks``: ``[.., length, H, D]``."""
-    g = cache[blocks]  # [..., nb, bs, H, D]
-    g = g.reshape(*blocks.shape[:-1], -1, *cache.shape[-2:])
+    # index_select over whole-block rows is a plain row copy, several times faster on the
+    # CPU than advanced indexing (`cache[blocks]`), which goes element by element.
+    rows = cache.reshape(cache.shape[0], -1).index_select(0, blocks.reshape(-1))
+    g = rows.view(*blocks.shape[:-1], -1, *cache.shape[-2:])  # [..., nb * bs, H, D]
     return g[..., :length, :, :]
 
 

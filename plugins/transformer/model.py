@@ -14,7 +14,9 @@ import torch.nn.functional as F
 
 from heron.core.batch import Batch
 from heron.core.cache_spec import CacheTensors
-from heron.core.ops import paged_attention, rms_norm, rope_cos_sin_cache, rotary, silu_and_mul, write_kv
+from heron.core.ops import (
+    linear, pack_weight, paged_attention, rms_norm, rope_cos_sin_cache, rotary, silu_and_mul,
+    write_kv)
 from heron.core.ops.lora import LayerLora, layer_loras
 from heron.plugins.transformer.config import TransformerConfig
 
@@ -84,7 +86,7 @@ def attention(h: torch.Tensor, w: AttentionWeights, shape: AttentionShape, batch
     no position embedding (NoPE layers). ``lora``: adapter deltas for the projections.
     Returns ``[T, hidden]``."""
     num_tokens = h.shape[0]
-    qkv = F.linear(h, w.qkv, w.qkv_bias)
+    qkv = linear(h, w.qkv, w.qkv_bias)
     if lora is not None:
         q_end, k_end = shape.q_size, shape.q_size + shape.kv_size
         lora.apply("q_proj", h, qkv[:, :q_end])
@@ -103,7 +105,7 @@ def attention(h: torch.Tensor, w: AttentionWeights, shape: AttentionShape, batch
     write_kv(k, v, k_cache, v_cache, batch.attn.slot_mapping)
     o = paged_attention(q, k_cache, v_cache, batch.attn, shape.scale)
     o = o.reshape(num_tokens, shape.q_size)
-    out = F.linear(o, w.o, w.o_bias)
+    out = linear(o, w.o, w.o_bias)
     if lora is not None:
         lora.apply("o_proj", o, out)
     return out
@@ -115,13 +117,13 @@ def gated_mlp(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               lora: LayerLora | None = None) -> torch.Tensor:
     """SwiGLU MLP: ``down(silu(gate(h)) * up(h))`` with gate/up fused (gate rows first);
     ``lora``: adapter deltas for the three projections."""
-    gu = F.linear(h, gate_up, gate_up_bias)
+    gu = linear(h, gate_up, gate_up_bias)
     if lora is not None:
         inter = gu.shape[1] // 2
         lora.apply("gate_proj", h, gu[:, :inter])
         lora.apply("up_proj", h, gu[:, inter:])
     act = silu_and_mul(gu)
-    out = F.linear(act, down, down_bias)
+    out = linear(act, down, down_bias)
     if lora is not None:
         lora.apply("down_proj", act, out)
     return out
@@ -136,7 +138,7 @@ class TransformerModel:
         self.layers = [self._layer(w, f"model.layers.{i}.") for i in range(cfg.num_layers)]
         self.final_norm = w.take("model.norm.weight")
         lm_head = w.take("lm_head.weight", required=not cfg.tie_word_embeddings)
-        self.lm_head = lm_head if lm_head is not None else self.embed
+        self.lm_head = pack_weight(lm_head if lm_head is not None else self.embed)
         self.cos_sin = rope_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings,
                                           cfg.rope_theta, cfg.rope_scaling).to(device)
         self.shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -150,17 +152,17 @@ class TransformerModel:
         return LayerWeights(
             input_norm=w.take(p + "input_layernorm.weight"),
             attn=AttentionWeights(
-                qkv=w.cat([n + ".weight" for n in qkv_names]),
+                qkv=pack_weight(w.cat([n + ".weight" for n in qkv_names])),
                 qkv_bias=w.cat([n + ".bias" for n in qkv_names]) if cfg.qkv_bias else None,
-                o=w.take(attn + "o_proj.weight"),
+                o=pack_weight(w.take(attn + "o_proj.weight")),
                 o_bias=w.take(attn + "o_proj.bias") if cfg.o_bias else None,
                 q_norm=w.take(attn + "q_norm.weight") if cfg.qk_norm else None,
                 k_norm=w.take(attn + "k_norm.weight") if cfg.qk_norm else None),
             post_norm=w.take(p + "post_attention_layernorm.weight"),
-            gate_up=w.cat([mlp + "gate_proj.weight", mlp + "up_proj.weight"]),
+            gate_up=pack_weight(w.cat([mlp + "gate_proj.weight", mlp + "up_proj.weight"])),
             gate_up_bias=(w.cat([mlp + "gate_proj.bias", mlp + "up_proj.bias"])
                           if cfg.mlp_bias else None),
-            down=w.take(mlp + "down_proj.weight"),
+            down=pack_weight(w.take(mlp + "down_proj.weight")),
             down_bias=w.take(mlp + "down_proj.bias") if cfg.mlp_bias else None,
         )
 
@@ -185,4 +187,4 @@ class TransformerModel:
         rows = batch.logits_indices
         h, _ = rms_norm(x.index_select(0, rows), self.final_norm, eps,
                         residual.index_select(0, rows))
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head).float()

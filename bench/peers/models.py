@@ -1,0 +1,83 @@
+"""The default model in the forms the peers serve, written once next to the GGUF.
+
+- ``hf_dir``: an HF directory (safetensors + tokenizer) of the dequantized GGUF, through
+  transformers' own GGUF loader, for vLLM.
+- ``f32_gguf``: the same GGUF with every tensor dequantized to F32 (names, metadata and
+  tokenizer unchanged), so llama.cpp computes at heron's precision.
+
+    python -m bench.peers.models   # prints both paths
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def hf_dir(gguf_path: Path) -> Path:
+    out = gguf_path.with_suffix(".hf")
+    if (out / "model.safetensors").exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = {"gguf_file": gguf_path.name}
+    tmp = out.with_suffix(".tmp")
+    AutoTokenizer.from_pretrained(gguf_path.parent, **kw).save_pretrained(tmp)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kw)
+    # A GGUF-loaded model refuses to save; a plain copy of its dequantized weights does not.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    model.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def f32_gguf(gguf_path: Path) -> Path:
+    out = gguf_path.with_name(gguf_path.stem.rsplit(".", 1)[0] + ".F32.gguf")
+    if out.exists():
+        return out
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(gguf_path)
+    arch = reader.fields["general.architecture"].contents()
+    tmp = out.with_suffix(".tmp")
+    writer = GGUFWriter(tmp, arch)
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        if name == "general.file_type":
+            writer.add_file_type(0)  # ALL_F32
+            continue
+        vtype = f.types[0]
+        sub = f.types[1] if vtype == GGUFValueType.ARRAY and len(f.types) > 1 else None
+        writer.add_key_value(name, f.contents(), vtype, sub)
+    for t in reader.tensors:
+        data = dequantize(t.data, t.tensor_type).astype(np.float32)
+        # The reader gives numpy's (reversed) shape; the writer takes the same convention.
+        writer.add_tensor(t.name, data.reshape([int(d) for d in reversed(t.shape)]),
+                          raw_dtype=GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.rename(out)
+    return out
+
+
+def main() -> None:
+    from heron.core.default_model import ensure_default_model
+
+    path = ensure_default_model()
+    print(hf_dir(path))
+    print(f32_gguf(path))
+
+
+if __name__ == "__main__":
+    main()

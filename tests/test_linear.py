@@ -1,0 +1,35 @@
+"""`core/ops/linear`: packed CPU weights give F.linear's result for any row count."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from heron.core.ops import linear, pack_weight
+from heron.core.ops.linear import can_pack
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 32, 65])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 48, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    x = torch.randn(rows, 48, generator=g)
+    packed = pack_weight(w)
+    assert packed.is_mkldnn == can_pack(w)
+    assert tuple(packed.shape) == (96, 48)
+    torch.testing.assert_close(linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_linear_takes_strided_input():
+    w = torch.randn(32, 24)
+    x = torch.randn(24, 10).t()  # [10, 24], not contiguous
+    torch.testing.assert_close(linear(x, pack_weight(w)), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_only_fp32_cpu_weights_are_packed():
+    w = torch.randn(8, 4, dtype=torch.bfloat16)
+    assert pack_weight(w) is w
+    assert pack_weight(None) is None
+    torch.testing.assert_close(linear(torch.ones(2, 4, dtype=torch.bfloat16), w),
+                               F.linear(torch.ones(2, 4, dtype=torch.bfloat16), w))
