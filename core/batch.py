@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,6 +41,16 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    @cached_property
+    def padded_blocks_and_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([B, nb] int64 block ids, [B, 1, 1, max_seq_len] bool key mask)`` covering
+        ``max_seq_len`` keys per sequence, for attention over contexts padded to one length.
+        Computed once per step, shared by every layer."""
+        num_blocks = -(-self.max_seq_len // self.block_size)
+        blocks = self.block_tables[:, :num_blocks].long()
+        keys = torch.arange(self.max_seq_len, device=self.seq_lens.device)
+        return blocks, (keys[None, :] < self.seq_lens[:, None])[:, None, None, :]
 
 
 @dataclass

@@ -31,15 +31,11 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Ten
 
 
 def _decode_batched(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-    block_size = meta.block_size
-    num_blocks = (meta.max_seq_len + block_size - 1) // block_size
-    blocks = meta.block_tables[:, :num_blocks].long()
+    blocks, keep = meta.padded_blocks_and_mask
     k = _gather(k_cache, blocks, meta.max_seq_len).transpose(1, 2)  # [B, Hkv, L, D]
     v = _gather(v_cache, blocks, meta.max_seq_len).transpose(1, 2)
-    keep = torch.arange(meta.max_seq_len, device=q.device)[None, :] < meta.seq_lens[:, None]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2).to(k.dtype), k, v, attn_mask=keep[:, None, None, :], scale=scale,
-        enable_gqa=True)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2).to(k.dtype), k, v, attn_mask=keep,
+                                         scale=scale, enable_gqa=True)
     return out.squeeze(2)
 
 

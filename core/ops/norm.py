@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -14,8 +15,9 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if residual is not None:
         x = x + residual
         residual = x
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], weight, eps), residual  # one op, same math
+    xf = F.rms_norm(x.float(), x.shape[-1:], eps=eps)
     return weight * xf.to(x.dtype), residual
 
 

@@ -41,21 +41,25 @@ def rope_cos_sin_cache(rot_dim: int, max_positions: int, base: float,
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    rot = cos.shape[-1] * 2
-    xf = x[..., :rot].float()
-    x1, x2 = xf[..., : rot // 2], xf[..., rot // 2:]
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-    return out if rot == x.shape[-1] else torch.cat([out, x[..., rot:]], dim=-1)
-
-
 def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by their positions; returns new tensors."""
-    cs = cos_sin_cache.index_select(0, positions)
+    """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by their positions; returns new tensors.
+
+    The first ``rot`` dims (the cache's width) of each head rotate as (x1, x2) halves:
+    ``(x1 cos - x2 sin, x2 cos + x1 sin)``, computed in float32; the rest pass through.
+    q and k go through together: per layer, the op count is what costs on the CPU.
+    """
+    num_q = q.shape[1]
+    cs = cos_sin_cache.index_select(0, positions)[:, None, :]  # [T, 1, rot]
     half = cs.shape[-1] // 2
-    cos, sin = cs[:, None, :half], cs[:, None, half:]
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    cos, sin = cs[..., :half], cs[..., half:]
+    x = torch.cat([q, k], dim=1)
+    xf = x[..., :2 * half].float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    if 2 * half != x.shape[-1]:
+        out = torch.cat([out, x[..., 2 * half:]], dim=-1)
+    return out[:, :num_q], out[:, num_q:]
 
 
 def rotary(q, k, positions, cos_sin_cache):
