@@ -32,6 +32,7 @@ bench: setup
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	-bash bench/peers/setup_vllm.sh
 	-bash bench/peers/setup_llamacpp.sh
+	-bash bench/peers/setup_transformers.sh
 	$(BIN)/python -m bench.compare
 
 bench-profile: setup

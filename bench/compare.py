@@ -8,13 +8,15 @@ Systems (a peer that is not set up is skipped, saying why; ``bench/peers/setup_*
 - heron, fp32, the Q4_1 GGUF dequantized at load;
 - vLLM's CPU build, fp32, an HF directory of the same dequantized weights, tuned as its CPU
   docs advise (tcmalloc and Intel OpenMP preloaded, OpenMP threads bound to the cores);
-- llama.cpp's ``llama-server`` on the Q4_1 GGUF and on an F32 GGUF of the same weights.
+- llama.cpp's ``llama-server`` on the Q4_1 GGUF and on an F32 GGUF of the same weights;
+- ``transformers serve`` (continuous batching), fp32, on the HF directory; it has no
+  ``ignore_eos``, so it serves a copy whose generation config has no EOS.
 
 Every system runs its model math on ``--threads`` threads (default: all cores). Writes
 ``bench/results/compare-<date>.json``, a markdown table (``.md``) with ratios to heron, and a
 plot (``.png``) of throughput and TTFT against concurrency.
 
-    python -m bench.compare [--systems heron,vllm,llama.cpp-q4_1,llama.cpp-f32]
+    python -m bench.compare [--systems heron,vllm,llama.cpp-q4_1,llama.cpp-f32,transformers]
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class System:
     env: dict[str, str] = field(default_factory=dict)
     version: str = ""
     missing: str = ""  # why it cannot run here; empty when it can
+    ignore_eos: bool = True  # False: the server has no such field; its model never stops
     startup_s: float = 0.0
 
 
@@ -106,6 +109,21 @@ def llama_cpp(gguf: Path, precision: str, port: int, threads: int, max_seqs: int
                 f"(llama-cpp-python {(PEERS / 'llama.cpp/VERSION').read_text().strip()})")
 
 
+def transformers_serve(hf_dir: Path, port: int, threads: int) -> System:
+    cli = PEERS / "transformers/bin/transformers"
+    if not cli.exists():
+        return System("transformers", "fp32", [], missing="run bench/peers/setup_transformers.sh")
+    out = subprocess.run([cli.parent / "python", "-c",
+                          "import transformers; print(transformers.__version__)"],
+                         capture_output=True, text=True)
+    return System(
+        "transformers", "fp32",
+        [str(cli), "serve", str(hf_dir), "--continuous-batching", "--dtype", "float32",
+         "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)],
+        {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"},
+        version=f"transformers {out.stdout.strip()} (serve)", ignore_eos=False)
+
+
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -144,12 +162,13 @@ def bench_system(system: System, port: int, args, log_dir: Path) -> dict:
         # Warm-up at the highest concurrency: first-call costs, compiled graphs, allocators.
         top = max(args.concurrency)
         asyncio.run(run(url, load_workload("short-chat", top, 8), concurrency=top,
-                        ignore_eos=True, progress=False))
+                        ignore_eos=system.ignore_eos, progress=False))
         for c in args.concurrency:
             workload = load_workload(args.workload, max(args.requests_per_client * c, 4),
                                      args.max_tokens)
             print(f"  {system.name} concurrency {c}: {len(workload)} requests", flush=True)
-            runs[str(c)] = asyncio.run(run(url, workload, concurrency=c, ignore_eos=True))
+            runs[str(c)] = asyncio.run(run(url, workload, concurrency=c,
+                                           ignore_eos=system.ignore_eos))
             r = runs[str(c)]
             print(f"    {r['output_tokens_per_s']:.1f} tok/s, TTFT p50 "
                   f"{r['ttft_ms']['p50']:.0f} ms, ITL p50 {r['itl_ms']['p50']:.1f} ms, "
@@ -221,7 +240,8 @@ def plot(results: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--systems", default="heron,vllm,llama.cpp-q4_1,llama.cpp-f32")
+    parser.add_argument("--systems",
+                        default="heron,vllm,llama.cpp-q4_1,llama.cpp-f32,transformers")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--workload", default="short-chat")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -234,7 +254,7 @@ def main() -> None:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     max_seqs = max(args.concurrency)
 
-    from bench.peers.models import f32_gguf, hf_dir
+    from bench.peers.models import f32_gguf, hf_dir, hf_dir_without_eos
     from heron.core.default_model import ensure_default_model
 
     gguf = ensure_default_model()
@@ -244,6 +264,8 @@ def main() -> None:
         "llama.cpp-q4_1": lambda port: llama_cpp(gguf, "Q4_1", port, args.threads, max_seqs),
         "llama.cpp-f32": lambda port: llama_cpp(f32_gguf(gguf), "F32", port, args.threads,
                                                 max_seqs),
+        "transformers": lambda port: transformers_serve(hf_dir_without_eos(gguf), port,
+                                                        args.threads),
     }
     date = dt.date.today().isoformat()
     args.out.mkdir(parents=True, exist_ok=True)

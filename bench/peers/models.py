@@ -2,6 +2,8 @@
 
 - ``hf_dir``: an HF directory (safetensors + tokenizer) of the dequantized GGUF, through
   transformers' own GGUF loader, for vLLM.
+- ``hf_dir_without_eos``: the same directory (linked) with no EOS in its generation config,
+  for servers that have no ``ignore_eos`` (``transformers serve``);
 - ``f32_gguf``: the same GGUF with every tensor dequantized to F32 (names, metadata and
   tokenizer unchanged), so llama.cpp computes at heron's precision.
 
@@ -10,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +37,23 @@ def hf_dir(gguf_path: Path) -> Path:
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
     model.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def hf_dir_without_eos(gguf_path: Path) -> Path:
+    source = hf_dir(gguf_path)
+    out = gguf_path.with_suffix(".no-eos.hf")
+    if out.exists():
+        return out
+    tmp = out.with_suffix(".tmp")
+    tmp.mkdir()
+    for f in source.iterdir():
+        if f.name != "generation_config.json":
+            (tmp / f.name).symlink_to(f)
+    config = json.loads((source / "generation_config.json").read_text())
+    config["eos_token_id"] = None
+    (tmp / "generation_config.json").write_text(json.dumps(config, indent=2))
     tmp.rename(out)
     return out
 
@@ -76,6 +96,7 @@ def main() -> None:
 
     path = ensure_default_model()
     print(hf_dir(path))
+    print(hf_dir_without_eos(path))
     print(f32_gguf(path))
 
 
