@@ -153,7 +153,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 def bench_system(system: System, port: int, args, log_dir: Path) -> dict:
     url = f"http://127.0.0.1:{port}"
-    log = (log_dir / f"{system.name}.log").open("w")
+    log = (log_dir / f"{system.name}.log").open("a")
     start = time.perf_counter()
     proc = subprocess.Popen(system.command, env={**os.environ, **system.env}, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -311,7 +311,7 @@ def main() -> None:
                 entry["failed"] = f"{type(e).__name__}: {e} (log: {log_dir / name}.log)"
                 print(f"{name}: failed, {entry['failed']}")
     for entry in results["systems"].values():
-        if entry.get("rounds") and not entry.get("failed"):
+        if entry.get("rounds"):  # a round that failed is left out, and named in "failed"
             # Best round per concurrency: the machine's noise only ever slows a run down.
             entry["runs"] = {c: max((r[c] for r in entry["rounds"]),
                                     key=lambda r: r["output_tokens_per_s"])

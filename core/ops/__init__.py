@@ -11,7 +11,7 @@ from heron.core.ops.norm import rms_norm, rms_norm_ref
 from heron.core.ops.rotary import rope_cos_sin_cache, rope_inv_freq, rotary, rotary_ref
 
 __all__ = [
-    "linear", "pack_weight", "paged_attention", "paged_attention_ref", "rms_norm", "rms_norm_ref", "rope_cos_sin_cache",
-    "rope_inv_freq", "rotary", "rotary_ref", "silu_and_mul", "silu_and_mul_ref", "write_kv",
-    "write_kv_ref",
+    "linear", "pack_weight", "paged_attention", "paged_attention_ref", "rms_norm", "rms_norm_ref",
+    "rope_cos_sin_cache", "rope_inv_freq", "rotary", "rotary_ref", "silu_and_mul",
+    "silu_and_mul_ref", "write_kv", "write_kv_ref",
 ]

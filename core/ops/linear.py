@@ -2,9 +2,9 @@
 
 On the CPU, torch's default fp32 GEMM (MKL) re-packs the weight on every call. With the few
 rows of a decode step (1-64) that re-packing, not the math, sets the speed: SmolLM2's 30
-layers of projections take 85 ms per step at 32 rows through `F.linear` on 2 cores and 46 ms
-with the weights kept in oneDNN's blocked layout (its lm_head 26 ms and 11 ms), the layout
-vLLM's CPU backend uses too. `pack_weight` converts an fp32 CPU weight to that layout;
+layers of projections took about 85 ms per step at 32 rows through `F.linear` on 2 cores and
+about 50 ms with the weights kept in oneDNN's blocked layout (its lm_head 26 ms and 11 ms),
+the layout vLLM's CPU backend uses too. `pack_weight` converts an fp32 CPU weight to that layout;
 `linear` multiplies with either kind. Other devices and dtypes, and torch builds without
 oneDNN, keep the plain weight and `F.linear`.
 """
