@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from heron.core.ops import silu_and_mul
+from heron.core.ops import linear, silu_and_mul
 from heron.plugins.hybrid_ssm.config import MoeConfig
 from heron.plugins.transformer.model import gated_mlp
 
@@ -49,7 +49,7 @@ def mlp(h: torch.Tensor, w: MlpWeights) -> torch.Tensor:
     """``[T, hidden] -> [T, hidden]``."""
     if w.is_gated:
         return gated_mlp(h, w.up, w.down, w.up_bias, w.down_bias)
-    return F.linear(relu2(F.linear(h, w.up, w.up_bias)), w.down, w.down_bias)
+    return linear(relu2(linear(h, w.up, w.up_bias)), w.down, w.down_bias)
 
 
 def _route_softmax(h: torch.Tensor, w: MoeWeights, cfg: MoeConfig):

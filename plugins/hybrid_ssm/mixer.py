@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from heron.core.batch import Batch
+from heron.core.ops import linear
 from heron.plugins.hybrid_ssm.config import MambaConfig
 from heron.plugins.hybrid_ssm.mamba2 import (causal_conv1d, causal_conv1d_step, gated_rms_norm,
                                              ssd_chunk_scan, ssm_step)
@@ -88,7 +89,7 @@ def mamba_mixer(h: torch.Tensor, w: MambaWeights, cfg: MambaConfig, plan: MambaP
     num_tokens = h.shape[0]
     d_inner, num_heads, head_dim = cfg.d_inner, cfg.num_heads, cfg.head_dim
     gn = cfg.num_groups * cfg.state_size
-    proj = F.linear(h, w.in_proj, w.in_proj_bias)
+    proj = linear(h, w.in_proj, w.in_proj_bias)
     z, xbc, dt_raw = proj.split([d_inner, cfg.conv_dim, num_heads], dim=-1)
     dt = _dt(dt_raw, w, cfg, plan)
     y = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=h.device)
@@ -125,4 +126,4 @@ def mamba_mixer(h: torch.Tensor, w: MambaWeights, cfg: MambaConfig, plan: MambaP
 
     out = gated_rms_norm(y.view(num_tokens, d_inner), z, w.norm, cfg.norm_eps,
                          d_inner // cfg.num_groups, cfg.norm_before_gate)
-    return F.linear(out.to(h.dtype), w.out_proj, w.out_proj_bias)
+    return linear(out.to(h.dtype), w.out_proj, w.out_proj_bias)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from heron.core.batch import Batch
 from heron.core.cache_spec import CacheTensors
-from heron.core.ops import rms_norm, rope_cos_sin_cache
+from heron.core.ops import linear, rms_norm, rope_cos_sin_cache
 from heron.plugins.hybrid_ssm.config import HybridConfig
 from heron.plugins.hybrid_ssm.ffn import MoeWeights, mlp, moe
 from heron.plugins.hybrid_ssm.mixer import MambaPlan, mamba_mixer
@@ -63,7 +63,7 @@ class HybridModel:
         rows = batch.logits_indices
         h, _ = rms_norm(x.index_select(0, rows), self.final_norm, eps,
                         residual.index_select(0, rows))
-        logits = F.linear(h, self.lm_head)
+        logits = linear(h, self.lm_head)
         if cfg.logits_multiplier != 1.0:
             logits = logits * cfg.logits_multiplier
         if cfg.logits_divisor != 1.0:

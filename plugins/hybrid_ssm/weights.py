@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from heron.core.ops import pack_weight
 from heron.plugins.hybrid_ssm.config import HybridConfig
 from heron.plugins.hybrid_ssm.ffn import MlpWeights, MoeWeights
 from heron.plugins.hybrid_ssm.mixer import MambaWeights
@@ -56,7 +57,7 @@ def _mamba(w: ScaledWeights, cfg: HybridConfig, p: str) -> MambaWeights:
     row_scale = torch.cat([torch.full((n, ), float(mult.get(k, 1.0))) for k, n in parts])
     f32 = torch.float32
     return MambaWeights(
-        in_proj=w.take(p + "in_proj.weight", scale=row_scale * mult.get("ssm_in", 1.0)),
+        in_proj=pack_weight(w.take(p + "in_proj.weight", scale=row_scale * mult.get("ssm_in", 1.0))),
         in_proj_bias=(w.take(p + "in_proj.bias", scale=row_scale) if m.in_proj_bias else None),
         conv_weight=w.take(p + "conv1d.weight").reshape(m.conv_dim, m.conv_kernel).contiguous(),
         conv_bias=w.take(p + "conv1d.bias") if m.conv_bias else None,
@@ -64,7 +65,7 @@ def _mamba(w: ScaledWeights, cfg: HybridConfig, p: str) -> MambaWeights:
         A=-torch.exp(w.take(p + "A_log", dtype=f32)),
         D=w.take(p + "D", dtype=f32),
         norm=w.take(p + "norm.weight") if m.has_norm else None,
-        out_proj=w.take(p + "out_proj.weight", scale=out_scale),
+        out_proj=pack_weight(w.take(p + "out_proj.weight", scale=out_scale)),
         out_proj_bias=w.take(p + "out_proj.bias", scale=out_scale) if m.out_proj_bias else None)
 
 
@@ -74,12 +75,12 @@ def _attention(w: ScaledWeights, cfg: HybridConfig, p: str) -> AttentionWeights:
     out = mult.get("attention_out", 1.0) * mult.get("residual", 1.0)
     names = [p + f"{n}_proj" for n in "qkv"]
     return AttentionWeights(
-        qkv=torch.cat([w.take(names[0] + ".weight", scale=attn_in),
-                       w.take(names[1] + ".weight", scale=attn_in * key),
-                       w.take(names[2] + ".weight", scale=attn_in)]),
+        qkv=pack_weight(torch.cat([w.take(names[0] + ".weight", scale=attn_in),
+                                   w.take(names[1] + ".weight", scale=attn_in * key),
+                                   w.take(names[2] + ".weight", scale=attn_in)])),
         qkv_bias=(torch.cat([w.take(names[0] + ".bias"), w.take(names[1] + ".bias", scale=key),
                              w.take(names[2] + ".bias")]) if a.bias else None),
-        o=w.take(p + "o_proj.weight", scale=out),
+        o=pack_weight(w.take(p + "o_proj.weight", scale=out)),
         o_bias=w.take(p + "o_proj.bias", scale=out) if a.bias else None)
 
 
@@ -87,8 +88,9 @@ def _gated_mlp(w: ScaledWeights, cfg: HybridConfig, p: str) -> MlpWeights:
     mult, bias = cfg.multipliers, cfg.mlp_bias
     gate, down = mult.get("mlp_gate", 1.0), mult.get("mlp_down", 1.0)
     return MlpWeights(
-        up=torch.cat([w.take(p + "gate_proj.weight", scale=gate), w.take(p + "up_proj.weight")]),
-        down=w.take(p + "down_proj.weight", scale=down),
+        up=pack_weight(torch.cat([w.take(p + "gate_proj.weight", scale=gate),
+                                  w.take(p + "up_proj.weight")])),
+        down=pack_weight(w.take(p + "down_proj.weight", scale=down)),
         up_bias=(torch.cat([w.take(p + "gate_proj.bias", scale=gate), w.take(p + "up_proj.bias")])
                  if bias else None),
         down_bias=w.take(p + "down_proj.bias", scale=down) if bias else None)
@@ -96,15 +98,16 @@ def _gated_mlp(w: ScaledWeights, cfg: HybridConfig, p: str) -> MlpWeights:
 
 def _relu2_mlp(w: ScaledWeights, cfg: HybridConfig, p: str) -> MlpWeights:
     bias = cfg.mlp_bias
-    return MlpWeights(up=w.take(p + "up_proj.weight"), down=w.take(p + "down_proj.weight"),
+    return MlpWeights(up=pack_weight(w.take(p + "up_proj.weight")),
+                      down=pack_weight(w.take(p + "down_proj.weight")),
                       up_bias=w.take(p + "up_proj.bias") if bias else None,
                       down_bias=w.take(p + "down_proj.bias") if bias else None, is_gated=False)
 
 
 def _granite_moe(w: ScaledWeights, cfg: HybridConfig, p: str) -> MoeWeights:
     res = cfg.multipliers.get("residual", 1.0)
-    shared = MlpWeights(up=w.take(p + "shared_mlp.input_linear.weight"),
-                        down=w.take(p + "shared_mlp.output_linear.weight", scale=res))
+    shared = MlpWeights(up=pack_weight(w.take(p + "shared_mlp.input_linear.weight")),
+                        down=pack_weight(w.take(p + "shared_mlp.output_linear.weight", scale=res)))
     if cfg.moe.num_experts == 0:
         return MoeWeights(router=None, experts_up=None, experts_down=None, shared=shared)
     e = p + "block_sparse_moe."
@@ -178,4 +181,4 @@ def load_layers(w: ScaledWeights, cfg: HybridConfig) -> tuple[torch.Tensor, list
             "model.final_layernorm"
         final_norm = w.take(final + ".weight")
     lm_head = w.take("lm_head.weight", required=not cfg.tie_word_embeddings)
-    return embed, layers, final_norm, (lm_head if lm_head is not None else embed)
+    return embed, layers, final_norm, pack_weight(lm_head if lm_head is not None else embed)
