@@ -53,7 +53,6 @@ class System:
     version: str = ""
     missing: str = ""  # why it cannot run here; empty when it can
     ignore_eos: bool = True  # False: the server has no such field; its model never stops
-    startup_s: float = 0.0
 
 
 def free_port() -> int:
@@ -151,7 +150,8 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def bench_system(system: System, port: int, args, log_dir: Path) -> dict:
+def bench_system(system: System, port: int, args, log_dir: Path) -> tuple[float, dict]:
+    """``(start-up seconds, the load generator's summary per concurrency)``."""
     url = f"http://127.0.0.1:{port}"
     log = (log_dir / f"{system.name}.log").open("a")
     start = time.perf_counter()
@@ -160,7 +160,7 @@ def bench_system(system: System, port: int, args, log_dir: Path) -> dict:
     runs = {}
     try:
         wait_ready(url, proc, args.startup_timeout)
-        system.startup_s = time.perf_counter() - start
+        startup_s = time.perf_counter() - start
         # Warm-up at the highest concurrency: first-call costs, compiled graphs, allocators.
         top = max(args.concurrency)
         asyncio.run(run(url, load_workload("short-chat", top, 8), concurrency=top,
@@ -178,7 +178,7 @@ def bench_system(system: System, port: int, args, log_dir: Path) -> dict:
     finally:
         stop(proc)
         log.close()
-    return runs
+    return startup_s, runs
 
 
 def ratio(a, b) -> float | None:
@@ -305,8 +305,8 @@ def main() -> None:
                 continue
             print(f"{name} (round {round_ + 1}/{args.rounds}): {system.version}", flush=True)
             try:
-                entry["rounds"].append(bench_system(system, port, args, log_dir))
-                entry["startup_s"] = system.startup_s
+                entry["startup_s"], runs = bench_system(system, port, args, log_dir)
+                entry["rounds"].append(runs)
             except Exception as e:  # one peer failing must not lose the others' results
                 entry["failed"] = f"{type(e).__name__}: {e} (log: {log_dir / name}.log)"
                 print(f"{name}: failed, {entry['failed']}")
