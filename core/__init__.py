@@ -1,19 +1,22 @@
 """heron's core: engine, scheduler, pools, sampling, config and the plugin API.
 
-Everything a model-family plugin needs is exported here; plugins import nothing private.
+Everything a model-family plugin needs is exported here and by `heron.core.ops` (the model
+ops, with their CUDA kernels and the kernel launcher); plugins import nothing else.
 """
 
 from heron.core.batch import AttentionMetadata, Batch
 from heron.core.cache_spec import CacheSpec, CacheTensors, KVCacheSpec, StateSpec
+from heron.core.checkpoint import load_safetensors
 from heron.core.config import Config, ConfigError, EngineConfig, ModelConfig, load_config
 from heron.core.family import FamilySpec, LoadedModel, ModelInfo, ModelRunner
 from heron.core.hookspecs import hookimpl, hookspec
 from heron.core.sampling_params import SamplingParams
 from heron.core.sequence import Sequence, SequenceStatus
+from heron.core.tokenizer import Tokenizer
 
 __all__ = [
     "AttentionMetadata", "Batch", "CacheSpec", "CacheTensors", "Config", "ConfigError",
     "EngineConfig", "FamilySpec", "KVCacheSpec", "LoadedModel", "ModelConfig", "ModelInfo",
-    "ModelRunner", "SamplingParams", "Sequence", "SequenceStatus", "StateSpec", "hookimpl",
-    "hookspec", "load_config",
+    "ModelRunner", "SamplingParams", "Sequence", "SequenceStatus", "StateSpec", "Tokenizer",
+    "hookimpl", "hookspec", "load_config", "load_safetensors",
 ]

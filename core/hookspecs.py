@@ -31,7 +31,9 @@ def heron_register_families(register):
 def heron_register_kernels(register):
     """Register CUDA kernel source files this plugin ships, so they are compile-checked.
 
-    Called once by `heron kernels --check` and by the CUDA backend. Must not compile.
+    Called once when the plugin manager starts; `heron kernels --check` then compiles every
+    registered variant, and `heron.core.ops.launch_kernel` builds the ones a model uses.
+    Must not compile.
 
     :param register: call ``register(path, kernel_names, defines=None)`` per ``.cu`` file;
         ``kernel_names`` are its ``extern "C"`` kernels, ``defines`` a dict of ``-D`` values

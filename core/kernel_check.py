@@ -19,6 +19,7 @@ from typing import Iterable, NamedTuple
 
 from heron.core.kernels import (KernelFile, compile_options, load_source,
                                 registered_kernel_files)
+from heron.core.plugins import PluginManager
 
 __all__ = ["CheckResult", "check_kernels", "compiler_available", "format_check", "run_check"]
 
@@ -114,13 +115,16 @@ def _compile_nvcc(text, filename, arch, options):
 
 def check_kernels(archs: Iterable[str] = ("sm_80", "sm_90"),
                   files: Iterable[KernelFile] | None = None) -> list[CheckResult]:
-    """Compile every variant of every registered kernel file for each arch, without a GPU.
+    """Compile every variant of every kernel file (core's and the plugins') for each arch,
+    without a GPU.
 
     One result per (file, arch), in registration order: ok when all its define sets
     compiled, else the first failure's log. Variants compile in parallel threads (NVRTC
     releases the GIL). When no compiler is available each result says so (ok False).
     """
     archs = tuple(archs)
+    if files is None:
+        PluginManager()  # plugins register their kernel files as they load
     entries = list(registered_kernel_files() if files is None else files)
     jobs, texts = [], {}
     for entry in entries:

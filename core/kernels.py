@@ -6,7 +6,8 @@ dtype, head size and so on are chosen by ``#define``\\ s (``-DNAME=VALUE`` flags
 them simple for NVRTC; a C++ template kernel can be registered by its name expression
 (``"my_kernel<128>"``) instead.
 
-A ``#include "x.cuh"`` (quotes) is resolved against the including file's folder and inlined
+A ``#include "x.cuh"`` (quotes) is resolved against the including file's folder, then against
+core's kernel folder (so a plugin's kernel may include ``"common.cuh"``), and inlined
 with ``#line`` markers, so the compiled text is self-contained (cupy's disk cache keys on
 the text, so an edited header can never serve a stale binary) and compiler messages still
 name the original file and line. Angle-bracket includes are left to the compiler.
@@ -37,6 +38,9 @@ __all__ = [
 
 #: Flags for every compile; defines come after them.
 BASE_OPTIONS: tuple[str, ...] = ("-std=c++17",)
+
+#: Core's kernel sources and headers, the fallback for quoted includes.
+HEADER_DIR = Path(__file__).resolve().parent / "ops" / "kernels"
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
@@ -112,6 +116,8 @@ def _expand(path: Path, seen: set[Path]) -> str:
             out.append(line)
             continue
         target = (path.parent / m.group(1)).resolve()
+        if not target.is_file():
+            target = HEADER_DIR / m.group(1)
         if not target.is_file():
             raise FileNotFoundError(f"{path}:{lineno}: included file {m.group(1)!r} not found")
         out.append(_expand(target, seen))

@@ -17,6 +17,7 @@ import pluggy
 
 from heron.core import hookspecs
 from heron.core.family import FamilySpec
+from heron.core.kernels import register_kernel_file
 
 DEFAULT_PLUGINS = ("heron.plugins.transformer.plugin", "heron.plugins.hybrid_ssm.plugin",
                    "heron.plugins.lora.plugin")
@@ -33,6 +34,7 @@ class PluginInfo:
     module: str
     version: str | None
     families: list[str] = field(default_factory=list)
+    kernel_files: list[str] = field(default_factory=list)
 
 
 class PluginManager:
@@ -79,6 +81,9 @@ class PluginManager:
         self.plugins[name] = PluginInfo(name, module, version)
         self._call_for(name, "heron_register_families",
                        register=lambda spec: self._register_family(name, spec))
+        self._call_for(name, "heron_register_kernels",
+                       register=lambda path, names, defines=None: self._register_kernel_file(
+                           name, path, names, defines))
         self._call_for(name, "heron_register_adapter_loaders",
                        register=lambda fmt, load: self._register_adapter_loader(name, fmt,
                                                                                 load))
@@ -103,12 +108,9 @@ class PluginManager:
                               f"(again by plugin {plugin_name!r})")
         self.adapter_loaders[fmt] = load
 
-    def kernel_files(self) -> list[tuple[str, tuple[str, ...], dict | None]]:
-        registered: list[tuple[str, tuple[str, ...], dict | None]] = []
-        self.pm.hook.heron_register_kernels(
-            register=lambda path, names, defines=None: registered.append(
-                (str(path), tuple(names), defines)))
-        return registered
+    def _register_kernel_file(self, plugin_name: str, path, names, defines) -> None:
+        entry = register_kernel_file(path, names, defines)
+        self.plugins[plugin_name].kernel_files.append(str(entry.path))
 
     def family_for(self, *, name: str | None = None, architecture: str | None = None,
                    gguf_architecture: str | None = None) -> FamilySpec:

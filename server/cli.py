@@ -88,7 +88,8 @@ def cmd_plugins(args) -> int:
     pm = PluginManager()
     for info in pm.plugins.values():
         families = ", ".join(info.families) or "-"
-        print(f"{info.name} {info.version or '?'} ({info.module}) families: {families}")
+        kernels = f" kernels: {len(info.kernel_files)} file(s)" if info.kernel_files else ""
+        print(f"{info.name} {info.version or '?'} ({info.module}) families: {families}{kernels}")
     return 0
 
 

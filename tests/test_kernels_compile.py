@@ -111,6 +111,13 @@ def test_load_source_inlines_quoted_includes_once(tmp_path):
     assert f'#line 3 "{tmp_path / "main.cu"}"' in text  # back in main.cu after line 2
 
 
+def test_quoted_include_falls_back_to_core_headers(tmp_path):
+    """A plugin's kernel includes core's ``common.cuh`` by name."""
+    (tmp_path / "plugin.cu").write_text('#include "common.cuh"\nint p;\n')
+    text = load_source(tmp_path / "plugin.cu")
+    assert f'#line 1 "{kernels.HEADER_DIR / "common.cuh"}"' in text and "int p;" in text
+
+
 def test_missing_include_is_reported(tmp_path):
     (tmp_path / "main.cu").write_text('#include "nope.cuh"\n')
     with pytest.raises(FileNotFoundError, match="nope.cuh"):

@@ -15,6 +15,9 @@ import pytest
 from heron.core import hookspecs
 from heron.core.family import FamilySpec
 from heron.core.hookspecs import hookimpl
+from heron.core.kernel_check import check_kernels, compiler_available
+from heron.core import kernels
+from heron.core.kernels import registered_kernel_files
 from heron.core.plugins import PluginError, PluginManager
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,8 +70,15 @@ def test_hook_heron_register_kernels(tmp_path):
             register(source, ["k"], {"N": 4})
 
     pm = PluginManager(load_entry_points=False)
-    pm.register(KernelPlugin(), name="kernels")
-    assert (str(source), ("k",), {"N": 4}) in pm.kernel_files()
+    try:
+        pm.register(KernelPlugin(), name="kernels")
+        assert pm.plugins["kernels"].kernel_files == [str(source.resolve())]
+        (entry,) = [f for f in registered_kernel_files() if f.path == source.resolve()]
+        assert entry.kernel_names == ["k"] and entry.define_sets == [{"N": 4}]
+        (result,) = check_kernels(("sm_90",), files=[entry])  # as `heron kernels --check`
+        assert result.ok or compiler_available() is None, result.message
+    finally:
+        kernels._REGISTRY.pop(source.resolve(), None)
 
 
 def test_hook_heron_register_adapter_loaders():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from heron.core.sampling_params import SamplingParams
-from heron.plugins.transformer.weights import safetensors_files
+from heron.core.checkpoint import safetensors_files
 from tests.engine_utils import LogitsRecorder, make_engine
 from tests.tiny_models import build_tiny
 

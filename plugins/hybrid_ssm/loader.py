@@ -14,7 +14,7 @@ from heron.core.tokenizer import Tokenizer
 from heron.plugins.hybrid_ssm.config import HybridConfig
 from heron.plugins.hybrid_ssm.model import HybridModel
 from heron.plugins.hybrid_ssm.runner import HybridRunner
-from heron.plugins.transformer.weights import load_safetensors
+from heron.core.checkpoint import load_safetensors
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from heron.core.tokenizer import Tokenizer
 from heron.plugins.transformer.config import TransformerConfig
 from heron.plugins.transformer.model import TransformerModel
 from heron.plugins.transformer.runner import TransformerRunner
-from heron.plugins.transformer.weights import load_safetensors
+from heron.core.checkpoint import load_safetensors
 
 log = logging.getLogger(__name__)
 

@@ -156,7 +156,9 @@ _backend: Backend = CupyBackend()
 def launch(file: str, name: str, defines: dict, grid: tuple[int, int, int],
            block: tuple[int, int, int], args: tuple, *, device: torch.device,
            shared_mem: int = 0) -> None:
-    """Run kernel ``name`` of ``KERNEL_DIR/file`` built with ``defines``.
+    """Run kernel ``name`` of ``file`` built with ``defines``.
+
+    ``file`` is a name in core's `KERNEL_DIR` or the absolute path of a plugin's ``.cu``.
 
     NOTE: every grid and block dimension must be >= 1; callers skip empty batches.
     """

@@ -1,4 +1,4 @@
-"""Reads HF safetensors checkpoints (single file or sharded with an index)."""
+"""Reads HF checkpoints: safetensors weights, single file or sharded with an index."""
 
 from __future__ import annotations
 
