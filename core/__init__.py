@@ -8,15 +8,18 @@ from heron.core.batch import AttentionMetadata, Batch
 from heron.core.cache_spec import CacheSpec, CacheTensors, KVCacheSpec, StateSpec
 from heron.core.checkpoint import load_safetensors
 from heron.core.config import Config, ConfigError, EngineConfig, ModelConfig, load_config
+from heron.core.engine import Engine
 from heron.core.family import FamilySpec, LoadedModel, ModelInfo, ModelRunner
 from heron.core.hookspecs import hookimpl, hookspec
+from heron.core.plugins import PluginError, PluginManager
 from heron.core.sampling_params import SamplingParams
 from heron.core.sequence import Sequence, SequenceStatus
 from heron.core.tokenizer import Tokenizer
 
 __all__ = [
-    "AttentionMetadata", "Batch", "CacheSpec", "CacheTensors", "Config", "ConfigError",
+    "AttentionMetadata", "Batch", "CacheSpec", "CacheTensors", "Config", "ConfigError", "Engine",
     "EngineConfig", "FamilySpec", "KVCacheSpec", "LoadedModel", "ModelConfig", "ModelInfo",
-    "ModelRunner", "SamplingParams", "Sequence", "SequenceStatus", "StateSpec", "Tokenizer",
-    "hookimpl", "hookspec", "load_config", "load_safetensors",
+    "ModelRunner", "PluginError", "PluginManager", "SamplingParams", "Sequence",
+    "SequenceStatus", "StateSpec", "Tokenizer", "hookimpl", "hookspec", "load_config",
+    "load_safetensors",
 ]
