@@ -3,10 +3,15 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# The GPT-2 plugin is installed the way a third party's would be (a built wheel, not the
+# source tree), and reinstalled when its files change.
+PLUGIN       := plugin_template
+PLUGIN_STAMP := $(VENV)/.plugin-installed
+PLUGIN_FILES := $(shell find $(PLUGIN) -path $(PLUGIN)/build -prune -o \( -name '*.py' -o -name '*.cu' -o -name '*.toml' \) -print)
 
 .PHONY: setup model test serve bench bench-offline bench-profile bench-multiturn bench-lora kernels-check clean
 
-setup: $(STAMP) model
+setup: $(STAMP) $(PLUGIN_STAMP) model
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,12 +21,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 
+$(PLUGIN_STAMP): $(STAMP) $(PLUGIN_FILES)
+	$(BIN)/python -m pip install -q './$(PLUGIN)[test]'
+	touch $@
+
 model: $(STAMP)
 	$(BIN)/python -m heron.core.default_model
 
 test: setup
 	$(BIN)/heron kernels --check
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+	cd $(PLUGIN) && ../$(BIN)/python -m pytest -q -p no:cacheprovider
 
 serve: setup
 	$(BIN)/heron serve
@@ -49,4 +59,4 @@ bench-lora: setup
 	$(BIN)/python -m bench.lora
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info $(PLUGIN)/build $(PLUGIN)/src/*.egg-info

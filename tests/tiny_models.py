@@ -24,6 +24,8 @@ FAMILIES = {
     "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig, {}),
     "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, {}),
     "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config, {"head_dim": 32}),
+    # served by the heron-gpt2 plugin (plugin_template/), installed by `make test`
+    "gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config, {"n_inner": 128}),
 }
 
 
@@ -57,7 +59,7 @@ def save_tokenizer(directory: Path) -> None:
 def randomise_weights(model, std: float) -> None:
     """Norm weights uniform in [0.8, 1.2], every other parameter normal(0, ``std``)."""
     for name, p in model.named_parameters():
-        if "norm" in name:
+        if "norm" in name or ".ln_" in name:
             p.uniform_(0.8, 1.2)
         else:
             p.normal_(0.0, std)
