@@ -1,9 +1,17 @@
 """The plugin API: every hook a heron plugin may implement.
 
-Hooks run once, at start-up, and hand the plugin a ``register`` callback. What a plugin
-registers is then called directly on the hot path; no hook is called per step.
 Implement a hook with ``@heron.core.hookimpl`` in a module listed under the ``heron``
-entry-point group.
+entry-point group (``plugin_template/`` is a worked example). A hook name not defined here
+fails at start-up. The lifecycle:
+
+1. **Start-up** (the hooks below): each hook runs once per plugin when the plugin manager
+   loads it, and hands the plugin a ``register`` callback. Registering must be cheap: no
+   model loading, no compiling, no CUDA.
+2. **Load**: when a model's architecture matches a registered `FamilySpec`, the engine
+   imports and calls its ``loader`` once; it returns a `LoadedModel`.
+3. **Serve**: the engine drives the loaded `ModelRunner` (``heron.core.family``) with plain
+   method calls: ``cache_spec`` and ``bind_cache`` once, then ``alloc_sequence``,
+   ``forward`` and ``free_sequence`` as sequences run. No hook is called per step.
 """
 
 from __future__ import annotations
