@@ -18,7 +18,8 @@ FAMILY_TESTS = {
 
 def test_every_registered_family_has_parity_tests():
     pm = PluginManager()
-    assert {"transformer", "hybrid_ssm", "gpt2"} <= set(pm.families)
+    assert {"transformer", "hybrid_ssm"} <= set(pm.families)
+    assert "gpt2" in pm.families, "the GPT-2 plugin is not installed: pip install ./plugin_template"
     for name, spec in pm.families.items():
         plugin = next(p.name for p in pm.plugins.values() if name in p.families)
         assert name in FAMILY_TESTS, (
