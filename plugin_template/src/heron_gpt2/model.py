@@ -73,6 +73,7 @@ class GPT2Model:
     def __init__(self, cfg: GPT2Config, tensors: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype) -> None:
         self.cfg = cfg
+        self.activation = F.gelu if cfg.activation == "gelu" else gelu_tanh
         ckpt = Checkpoint(tensors, device, dtype)
         self.wte = ckpt.take("wte.weight")
         self.wpe = ckpt.take("wpe.weight")
@@ -117,8 +118,8 @@ class GPT2Model:
         return linear(o.reshape(-1, cfg.hidden_size), block.attn_out, block.attn_out_bias)
 
     def mlp(self, h: torch.Tensor, block: Block) -> torch.Tensor:
-        act = gelu_tanh if self.cfg.activation != "gelu" else F.gelu
-        return linear(act(linear(h, block.fc, block.fc_bias)), block.proj, block.proj_bias)
+        return linear(self.activation(linear(h, block.fc, block.fc_bias)), block.proj,
+                      block.proj_bias)
 
     def forward(self, batch: Batch, cache: CacheTensors) -> torch.Tensor:
         """Float32 logits for ``batch.logits_indices``; writes every token's KV."""
