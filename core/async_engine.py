@@ -36,7 +36,12 @@ log = logging.getLogger(__name__)
 
 
 class QueueFullError(RuntimeError):
-    """Too many requests are waiting; the caller should retry later (HTTP 429)."""
+    """Too many requests (or prompt tokens) are waiting; the caller should retry later (HTTP
+    429). ``limit``: the name of the AsyncEngine setting that refused it."""
+
+    def __init__(self, message: str, limit: str = "max_waiting_requests") -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 class EngineStoppedError(RuntimeError):
@@ -82,10 +87,14 @@ class EngineStats:
     num_kv_blocks_in_use: int = 0
     num_kv_blocks_cached: int = 0
     num_requests_swapped: int = 0
+    num_state_slots_in_use: int = 0
+    num_adapters_in_use: int = 0
     # cumulative counts
     num_preemptions: int = 0
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    # a gauge again (last: the fields above are filled by position)
+    num_prompt_tokens_waiting: int = 0  # of the requests counted in num_requests_waiting
 
 
 Sink = Callable[[RequestDelta], None]
@@ -170,15 +179,20 @@ class AsyncEngine:
     """Runs ``engine`` from an asyncio loop: `start` the engine task, `stop` it at shutdown.
 
     ``add`` raises `QueueFullError` when ``max_waiting_requests`` requests are already
-    waiting, the Engine's ValueError for a request it cannot serve, and `EngineStoppedError`
-    when the engine task is not running. Every accepted request gets deltas through its sink
-    until one with ``finished`` (also on abort, engine fault and shutdown). ``adapters``:
-    the loaded LoRA adapters (name -> path), a snapshot replaced after every adapter change.
+    waiting, or when the prompt would take the prompt tokens waiting past
+    ``max_waiting_tokens`` (a prompt is always let in when none waits, so that one larger
+    than the limit is not refused forever); the Engine's ValueError for a request it cannot
+    serve, and `EngineStoppedError` when the engine task is not running. Every accepted
+    request gets deltas through its sink until one with ``finished`` (also on abort, engine
+    fault and shutdown). ``adapters``: the loaded LoRA adapters (name -> path), a snapshot
+    replaced after every adapter change.
     """
 
-    def __init__(self, engine: Engine, *, max_waiting_requests: int = 256) -> None:
+    def __init__(self, engine: Engine, *, max_waiting_requests: int = 256,
+                 max_waiting_tokens: int = 262144) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self.max_waiting_tokens = max_waiting_tokens
         self.stats = EngineStats(num_kv_blocks_total=engine.num_kv_blocks)
         self._pending: dict[str, _Pending] = {}
         self._aborts: set[str] = set()
@@ -188,13 +202,16 @@ class AsyncEngine:
         self._copier = _DeltaCopier()
         self._wake = asyncio.Event()
         self._stopping = False
+        self.draining = False
         self._task: asyncio.Task | None = None
         self._inflight: asyncio.Future | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heron-engine")
 
     @property
     def is_running(self) -> bool:
-        return self._task is not None and not self._task.done() and not self._stopping
+        """True while the engine task runs and takes new requests (not while draining)."""
+        return (self._task is not None and not self._task.done() and not self._stopping
+                and not self.draining)
 
     @property
     def num_requests(self) -> int:
@@ -203,6 +220,15 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="heron-engine")
+
+    async def drain(self, timeout_s: float) -> None:
+        """Take no new requests (`add` raises `EngineStoppedError`), and wait up to
+        ``timeout_s`` for those already accepted to finish. `stop` aborts what is left."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.num_requests and loop.time() < deadline:
+            await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
         """Finish the step in flight, abort every request (their sinks get a last delta)."""
@@ -219,11 +245,19 @@ class AsyncEngine:
         """Queue a request; returns once the engine accepted it (deltas then go to ``sink``).
         ``adapter``: the name of a loaded LoRA adapter to apply, or None for the base model."""
         if not self.is_running:
-            raise EngineStoppedError("the engine is not running")
+            raise EngineStoppedError("the server is shutting down" if self.draining
+                                     else "the engine is not running")
         if request_id in self._pending or request_id in self._sinks:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.stats.num_requests_waiting + len(self._pending) >= self.max_waiting_requests:
             raise QueueFullError(f"{self.max_waiting_requests} requests are already waiting")
+        # NOTE: the scheduler's part is the last snapshot (stats), like the count above:
+        # reading the scheduler here could race the step in flight
+        waiting = self.stats.num_prompt_tokens_waiting + sum(
+            len(p.prompt_ids) for p in self._pending.values())
+        if waiting and waiting + len(prompt_ids) > self.max_waiting_tokens:
+            raise QueueFullError(f"{waiting} prompt tokens are already waiting, this prompt has "
+                                 f"{len(prompt_ids)}", limit="max_waiting_tokens")
         accepted = asyncio.get_running_loop().create_future()
         self._pending[request_id] = _Pending(request_id, prompt_ids, params, sink, accepted,
                                              tenant, adapter)
@@ -354,13 +388,16 @@ class AsyncEngine:
         sched = engine.scheduler
         running = {s.request_id for s in sched.running}
         swapped = {s.request_id for s in sched.swapped} - running
-        waiting = {s.request_id for s in sched.waiting} - running - swapped
+        waiting_tokens = {s.request_id: s.num_prompt_tokens for s in sched.waiting
+                          if s.request_id not in running and s.request_id not in swapped}
         cache = engine.prefix_cache
-        return EngineStats(len(running), len(waiting), engine.num_kv_blocks,
+        return EngineStats(len(running), len(waiting_tokens), engine.num_kv_blocks,
                            engine.num_blocks_in_use,
                            cache.num_cached_blocks if cache is not None else 0, len(swapped),
+                           engine.num_state_slots_in_use, engine.num_adapters_in_use,
                            sched.num_preemptions, sched.prefix_queried_tokens,
-                           sched.prefix_hit_tokens)
+                           sched.prefix_hit_tokens,
+                           num_prompt_tokens_waiting=sum(waiting_tokens.values()))
 
     def _stop(self, request_id: str, reason: str, error: str | None) -> None:
         out = self.engine.abort(request_id)

@@ -6,6 +6,7 @@ the key.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -17,7 +18,12 @@ class ConfigError(ValueError):
     """A configuration problem, with the file and key it came from in the message."""
 
 
-_SECRET_KEYS = frozenset({"api_keys"})  # never echoed in errors, reprs or `heron config`
+_SECRET_KEYS = frozenset({"api_keys", "tenants"})  # never echoed in errors, reprs or `heron config`
+
+# Hard ceilings of the per-request limits: the protocol refuses more whatever the config says
+# (server.max_n and server.max_logprobs are the limits that normally apply, below these).
+MAX_N = 128
+MAX_LOGPROBS = 1024
 
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -97,14 +103,29 @@ class PrefixCacheConfig(_Section):
         )
 
 
+_TENANT_NAME = re.compile(r"[\w.-]{1,64}")
+
+
 class ServerConfig(_Section):
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
     api_keys: list[str] = []
+    tenants: dict[str, list[str]] = {}
     max_body_bytes: int = 4 * 1024 * 1024
     max_waiting_requests: int = 256
-    shutdown_timeout_s: float = 10.0
+    max_waiting_tokens: int = 262144
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_stop_sequences: int = 16
+    max_stop_length: int = 256
+    request_timeout_s: float | None = None
+    drain_timeout_s: float = 30.0
+
+    @property
+    def all_keys(self) -> list[str]:
+        """Every accepted API key: ``api_keys`` and each tenant's."""
+        return [*self.api_keys, *(k for keys in self.tenants.values() for k in keys)]
 
     def _checks(self):
         return (
@@ -113,9 +134,23 @@ class ServerConfig(_Section):
             ("served_model_name", self.served_model_name is None or bool(self.served_model_name),
              "must not be empty"),
             ("api_keys", all(k.strip() for k in self.api_keys), "must not contain an empty key"),
+            ("tenants", all(_TENANT_NAME.fullmatch(n) for n in self.tenants),
+             "names must be 1-64 letters, digits, '.', '_' or '-'"),
+            ("tenants", all(k.strip() for keys in self.tenants.values() for k in keys),
+             "must not contain an empty key"),
+            ("tenants", len(self.all_keys) == len(set(self.all_keys)),
+             "must not repeat a key (in `tenants` or `api_keys`)"),
             ("max_body_bytes", self.max_body_bytes >= 1024, "must be >= 1024"),
             ("max_waiting_requests", self.max_waiting_requests >= 1, "must be >= 1"),
-            ("shutdown_timeout_s", self.shutdown_timeout_s >= 0, "must be >= 0"),
+            ("max_waiting_tokens", self.max_waiting_tokens >= 1, "must be >= 1"),
+            ("max_n", 1 <= self.max_n <= MAX_N, f"must be in 1..{MAX_N}"),
+            ("max_logprobs", 0 <= self.max_logprobs <= MAX_LOGPROBS,
+             f"must be in 0..{MAX_LOGPROBS}"),
+            ("max_stop_sequences", self.max_stop_sequences >= 0, "must be >= 0"),
+            ("max_stop_length", self.max_stop_length >= 1, "must be >= 1"),
+            ("request_timeout_s", self.request_timeout_s is None or self.request_timeout_s > 0,
+             "must be > 0"),
+            ("drain_timeout_s", self.drain_timeout_s >= 0, "must be >= 0"),
         )
 
 
@@ -186,7 +221,8 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
-def dump_config(config: Config, *, hide: tuple[str, ...] = ("server.api_keys",)) -> str:
+def dump_config(config: Config, *,
+                hide: tuple[str, ...] = ("server.api_keys", "server.tenants")) -> str:
     """The config as TOML that `load_config` reads back to an equal Config (but for the
     keys named in ``hide``, which are written masked, commented out). Unset (None) keys are
     written commented out too."""

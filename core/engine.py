@@ -262,6 +262,16 @@ class Engine:
         """KV blocks live sequences reference (cached blocks nobody uses are not counted)."""
         return self.block_pool.num_used_blocks - self.block_pool.num_evictable_blocks
 
+    @property
+    def num_state_slots_in_use(self) -> int:
+        """Per-sequence state slots (SSM layers) held by live sequences."""
+        return self.states.slots.num_used if self.states is not None else 0
+
+    @property
+    def num_adapters_in_use(self) -> int:
+        """LoRA adapters live requests hold a reference to."""
+        return self.adapter_pool.num_referenced if self.adapter_pool is not None else 0
+
     # -- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -278,11 +288,9 @@ class Engine:
             copy_blocks(self.host_kv, self.cache.kv, sched.swap_in)
         if not sched.scheduled:
             return []
-        for item in sched.scheduled:
-            if self.states is not None:
+        if self.states is not None:
+            for item in sched.scheduled:
                 self.states.acquire(item.seq)
-            if item.seq.family_state is None:
-                item.seq.family_state = self.runner.alloc_sequence(item.seq)
         for seq, snapshot in sched.restores:
             self.states.restore(seq, snapshot)
         for key, slot in sched.adapter_loads:
@@ -298,12 +306,15 @@ class Engine:
         for state in touched.values():
             for out in state.outputs:
                 out.begin_step()
-        try:
+        try:  # the family's code: a fault here fails only this step's requests
+            for item in sched.scheduled:
+                if item.seq.family_state is None:
+                    item.seq.family_state = self.runner.alloc_sequence(item.seq)
             if self.graphs is not None and not batch.lora_groups and self.graphs.can_run(batch):
                 logits = self.graphs.run(batch)
             else:
                 logits = self.runner.forward(batch)
-        except Exception as e:  # a family fault fails only this step's requests
+        except Exception as e:
             log.exception("model step failed")
             for state in touched.values():
                 for out in state.outputs:

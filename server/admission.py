@@ -11,17 +11,20 @@ from aiohttp import web
 
 from heron.core.chat_template import ChatTemplateError
 from heron.core.sampling_params import SamplingParams
-from heron.server.appkeys import ASYNC_ENGINE, MODEL_NAME
+from heron.server.appkeys import ASYNC_ENGINE, CONFIG, MODEL_NAME
 from heron.server.errors import APIError, bad_request
+from heron.server.limits import check_limits
 from heron.server.protocol import ChatMessage, SamplingFields
 
 
 def check_request(app: web.Application, req: SamplingFields) -> str | None:
-    """Refuse unsupported fields by name and models this server does not serve; the LoRA
-    adapter the request names (see `check_model`)."""
+    """Refuse unsupported fields by name, fields past the ``[server]`` limits
+    (`check_limits`) and models this server does not serve; the LoRA adapter the request
+    names (see `check_model`)."""
     if (name := req.unsupported_field()) is not None:
         raise bad_request(f"`{name}` is not supported by this server", param=name,
                           code="unsupported_field")
+    check_limits(app[CONFIG].server, req)
     return check_model(app, req.model)
 
 

@@ -28,7 +28,7 @@ def create_app(config: Config, *, engine: Engine | None = None) -> web.Applicati
     app = web.Application(
         client_max_size=config.server.max_body_bytes,
         middlewares=[request_id_middleware, error_middleware,
-                     auth_middleware(config.server.api_keys)])
+                     auth_middleware(config.server)])
     app[CONFIG] = config
     app[ADAPTER_LOCK] = asyncio.Lock()
     app.cleanup_ctx.append(_engine_context(engine))
@@ -50,7 +50,8 @@ def _engine_context(given: Engine | None):
             # loading takes seconds to minutes; keep the loop free for signals meanwhile
             engine = await asyncio.get_running_loop().run_in_executor(None, Engine, config)
         async_engine = AsyncEngine(engine,
-                                   max_waiting_requests=config.server.max_waiting_requests)
+                                   max_waiting_requests=config.server.max_waiting_requests,
+                                   max_waiting_tokens=config.server.max_waiting_tokens)
         app[ASYNC_ENGINE] = async_engine
         app[METRICS] = Metrics(lambda: async_engine.stats)
         app[MODEL_NAME] = served_model_name(config, engine)

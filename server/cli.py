@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 from pathlib import Path
@@ -38,21 +39,13 @@ def cmd_serve(args) -> int:
     config = _config(args)
     if config.model.path is not None and not Path(config.model.path).expanduser().exists():
         raise ConfigError(f"model path {config.model.path!r} does not exist")
-    from aiohttp import web
-
-    from heron.server.app import create_app
+    from heron.server.lifecycle import serve
     from heron.server.logs import configure_logging
     configure_logging(config.logging)
     import structlog
     log = structlog.get_logger("heron.server")
     try:
-        # handler_cancellation: a client that hangs up cancels its handler, which aborts
-        # its request in the engine before the next step
-        web.run_app(create_app(config), host=config.server.host, port=config.server.port,
-                    access_log=None, handler_cancellation=True,
-                    shutdown_timeout=config.server.shutdown_timeout_s,
-                    print=lambda message: log.info("listening", host=config.server.host,
-                                                   port=config.server.port))
+        asyncio.run(serve(config))
     except (OSError, ValueError, RuntimeError) as e:  # model load or bind failures
         log.error("could not serve", error=f"{type(e).__name__}: {e}")
         print(f"heron: error: {e}", file=sys.stderr)

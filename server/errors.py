@@ -18,7 +18,8 @@ from heron.server.responses import ErrorInfo, ErrorResponse, encode
 log = structlog.get_logger("heron.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+          413: "invalid_request_error",
           429: "rate_limit_error", 503: "service_unavailable"}
 
 
@@ -68,11 +69,18 @@ def from_decode_error(e: msgspec.DecodeError) -> APIError:
 
 async def decode_body(request: web.Request, kind: type):
     """Read (413 past ``server.max_body_bytes``) and decode a JSON body as ``kind``."""
-    body = await request.read()
+    try:
+        body = await request.read()
+    except web.RequestPayloadError as e:  # e.g. a Content-Encoding the body does not match
+        reason = getattr(e.__cause__, "message", None) or str(e)
+        raise bad_request(f"the body cannot be read: {reason}", code="invalid_body") from None
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.DecodeError as e:
         raise from_decode_error(e) from None
+    except RecursionError:  # msgspec stops at Python's recursion limit (~1000 levels)
+        raise bad_request("the body nests arrays or objects too deeply", code="invalid_json"
+                          ) from None
 
 
 def _from_http(request: web.Request, e: web.HTTPException) -> APIError:

@@ -24,7 +24,7 @@ from heron.core.logprobs import TokenLogprobs
 from heron.core.sampling_params import SamplingParams
 from heron.server.appkeys import ASYNC_ENGINE, CONFIG, METRICS, MODEL_NAME
 from heron.server.errors import APIError
-from heron.server.middleware import arrival_of, key_tenant_of, request_id_of
+from heron.server.middleware import arrival_of, request_id_of, tenant_of
 from heron.server.responses import PromptTokensDetails, Usage
 
 log = structlog.get_logger("heron.server.requests")
@@ -62,7 +62,8 @@ class Generation:
         self.id = f"{kind}-{uuid.uuid4().hex}"
         self.request_id = request_id_of(request)
         self.kind, self.prompts, self.params = kind, prompts, params
-        self.tenant = _tenant(key_tenant_of(request), cache_salt or "")
+        self.tenant = tenant_of(request)
+        self.namespace = _namespace(self.tenant, cache_salt or "")
         self.created = int(time.time())
         n = params.n
         self.choices = {(p, i): Choice(p * n + i, p) for p in range(len(prompts)) for i in range(n)}
@@ -70,6 +71,8 @@ class Generation:
         self.num_cached_tokens = 0
         self.arrival_s = arrival_of(request)
         self.first_token_s: float | None = None
+        self.timeout_s = app[CONFIG].server.request_timeout_s
+        self.is_timed_out = False
         self._queue: asyncio.Queue[tuple[int, RequestDelta]] = asyncio.Queue()
         self._live: set[str] = set()
 
@@ -85,7 +88,7 @@ class Generation:
                 self._live.add(rid)
                 await self.engine.add(rid, prompt_ids, self.params,
                                       lambda delta, p=p: self._queue.put_nowait((p, delta)),
-                                      tenant=self.tenant, adapter=self.adapter)
+                                      tenant=self.namespace, adapter=self.adapter)
         except BaseException as e:
             self._abort_live()
             if (isinstance(e, ValueError) and self.adapter is not None
@@ -97,23 +100,28 @@ class Generation:
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
-        aborted = bool(self._live)  # the handler left before the engine finished
+        # the handler left before the engine finished, or the deadline stopped it
+        aborted = bool(self._live) or self.is_timed_out
         self._abort_live()
         reason = "abort" if aborted else self.finish_reason or "abort"
         end = time.monotonic()
+        usage = self.usage()
         self.metrics.requests_finished.labels(reason).inc()
+        self.metrics.tenant_requests.labels(self.tenant, reason).inc()
+        self.metrics.tenant_tokens.labels(self.tenant, "prompt").inc(usage.prompt_tokens)
+        self.metrics.tenant_tokens.labels(self.tenant, "generated").inc(usage.completion_tokens)
         self.metrics.e2e.observe(end - self.arrival_s)
-        if self.log_requests:
-            usage = self.usage()
+        if self.log_requests:  # never the prompt or the output: logs are shared by tenants
             log.info("request", id=self.id, request_id=self.request_id, model=self.model,
-                     n=self.params.n,
+                     tenant=self.tenant or None, n=self.params.n,
                      prompt_tokens=usage.prompt_tokens,
                      completion_tokens=usage.completion_tokens,
                      cached_tokens=usage.prompt_tokens_details.cached_tokens,
                      ttft_s=None if self.first_token_s is None
                      else round(self.first_token_s - self.arrival_s, 4),
                      duration_s=round(end - self.arrival_s, 4), finish_reason=reason,
-                     outcome=_outcome(reason, aborted or exc_type is not None))
+                     outcome="timeout" if self.is_timed_out
+                     else _outcome(reason, aborted or exc_type is not None))
 
     def _abort_live(self) -> None:
         for rid in self._live:
@@ -125,16 +133,34 @@ class Generation:
     async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
         """Each engine delta, already absorbed into `choices`, until every prompt finished.
 
-        Raises ConnectionResetError once the client has gone: `serve` cancels the handler of
-        a lost connection anyway, this also covers apps run without handler cancellation.
+        Past ``server.request_timeout_s`` since arrival, aborts every engine request and
+        raises a 408 `APIError` (code ``request_timeout``). Raises ConnectionResetError once
+        the client has gone: `serve` cancels the handler of a lost connection anyway, this
+        also covers apps run without handler cancellation.
         """
         while self._live:
-            p, delta = await self._queue.get()
+            p, delta = await self._next()
             transport = self._request.transport
             if transport is None or transport.is_closing():
                 raise ConnectionResetError("the client disconnected")
             self._absorb(p, delta)
             yield p, delta
+
+    async def _next(self) -> tuple[int, RequestDelta]:
+        if self.timeout_s is None:
+            return await self._queue.get()
+        deadline = self.arrival_s + self.timeout_s  # NOTE: asyncio's loop clock is monotonic
+        try:
+            # checked first too: get() from a queue that never empties never suspends
+            if time.monotonic() < deadline:
+                async with asyncio.timeout_at(deadline):
+                    return await self._queue.get()
+        except TimeoutError:
+            pass
+        self.is_timed_out = True
+        self._abort_live()  # frees the engine's blocks before the next step
+        raise APIError(408, f"the request ran longer than {self.timeout_s:g} s "
+                       "(server.request_timeout_s)", code="request_timeout")
 
     async def run_to_end(self) -> None:
         async for _ in self.deltas():
@@ -193,10 +219,10 @@ class Generation:
                          cached_tokens=self.num_cached_tokens))
 
 
-def _tenant(key_tenant: str, cache_salt: str) -> str:
-    """Who may share cached KV: one tenant per (API key, salt); the key digest is hex, so the
-    separator keeps the pair unambiguous."""
-    return f"{key_tenant}|{cache_salt}" if key_tenant else cache_salt
+def _namespace(tenant: str, cache_salt: str) -> str:
+    """Who may share cached KV: one namespace per (tenant, salt); tenant names have no
+    ``|``, so the separator keeps the pair unambiguous."""
+    return f"{tenant}|{cache_salt}" if tenant else cache_salt
 
 
 def _outcome(reason: str, aborted: bool) -> str:
@@ -208,11 +234,11 @@ def _outcome(reason: str, aborted: bool) -> str:
 def _admission_error(e: BaseException, metrics) -> BaseException:
     if isinstance(e, QueueFullError):
         metrics.rejected.labels("429").inc()
-        return APIError(429, f"the server is busy ({e}); retry later", code="queue_full",
-                        headers={"Retry-After": "1"})
+        return APIError(429, f"the server is busy: {e} (server.{e.limit}); retry later",
+                        code="queue_full", headers={"Retry-After": "1"})
     if isinstance(e, EngineStoppedError):
         metrics.rejected.labels("503").inc()
-        return APIError(503, "the engine is not running", code="engine_stopped")
+        return APIError(503, str(e), code="engine_stopped")
     if isinstance(e, ValueError):
         metrics.rejected.labels("400").inc()
         return APIError(400, str(e))

@@ -16,7 +16,10 @@ def _json(body) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     """200 while the engine task runs; answered on the event loop, never behind a step."""
-    if not request.app[ASYNC_ENGINE].is_running:
+    async_engine = request.app[ASYNC_ENGINE]
+    if async_engine.draining:
+        raise APIError(503, "the server is shutting down", code="shutting_down")
+    if not async_engine.is_running:
         raise APIError(503, "the engine is not running", code="engine_stopped")
     return _json(HealthResponse())
 

@@ -40,6 +40,10 @@ class Metrics:
              "(evictable cached blocks not counted)", "num_kv_blocks_in_use"),
             ("heron_kv_blocks_cached", "KV blocks held by the prefix cache (in use or not)",
              "num_kv_blocks_cached"),
+            ("heron_state_slots_in_use", "Per-sequence state slots (SSM layers) held by live "
+             "requests", "num_state_slots_in_use"),
+            ("heron_lora_adapters_in_use", "LoRA adapters live requests reference",
+             "num_adapters_in_use"),
         ):
             Gauge(name, doc, registry=r).set_function(
                 lambda field=field: getattr(stats(), field))
@@ -50,6 +54,12 @@ class Metrics:
                                          registry=r)
         self.requests_finished = Counter("heron_requests_finished", "Finished requests by "
                                          "finish reason", ["finish_reason"], registry=r)
+        # tenant: a `server.tenants` name, "key-<digest>" for an `api_keys` key, "" without keys
+        self.tenant_requests = Counter("heron_tenant_requests_finished", "Finished requests "
+                                       "by tenant and finish reason", ["tenant", "finish_reason"],
+                                       registry=r)
+        self.tenant_tokens = Counter("heron_tenant_tokens", "Prompt and generated tokens by "
+                                     "tenant", ["tenant", "kind"], registry=r)
         self.rejected = Counter("heron_requests_rejected", "Requests refused before admission "
                                 "by HTTP status", ["status"], registry=r)
         self.ttft = Histogram("heron_time_to_first_token_seconds", "Arrival to first token",

@@ -1,10 +1,11 @@
 """Request ids and API keys.
 
 ``X-Request-Id``: a client's id is kept (bound to every log line of the request) and echoed;
-without one the server makes one. API keys: with ``server.api_keys`` set, every route but
-the open ones needs ``Authorization: Bearer <key>``; keys are compared in constant time and
-never logged. A request's key also names its prefix-cache tenant (`key_tenant_of`), so that
-clients with different keys never share cached KV.
+without one the server makes one. API keys: with ``server.api_keys`` or ``server.tenants``
+set, every route but the open ones needs ``Authorization: Bearer <key>``; keys are compared
+in constant time and never logged. A key names the request's tenant (`tenant_of`): the
+prefix-cache namespace, the ``tenant`` label of per-tenant metrics and the ``tenant`` of
+its log line, so that tenants never share cached KV nor see each other's traffic.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import uuid
 import structlog
 from aiohttp import web
 
+from heron.core.config import ServerConfig
 from heron.server.errors import APIError
 
 REQUEST_ID = "X-Request-Id"
@@ -26,16 +28,24 @@ _SAFE_ID = re.compile(r"[\w.:/+=-]{1,128}")  # an id that cannot forge log lines
 
 _ID_KEY = web.RequestKey("request_id", str)
 _ARRIVAL_KEY = web.RequestKey("arrival_s", float)
-_KEY_TENANT = web.RequestKey("key_tenant", str)
+_TENANT = web.RequestKey("tenant", str)
 
 
 def request_id_of(request: web.Request) -> str | None:
     return request.get(_ID_KEY)
 
 
-def key_tenant_of(request: web.Request) -> str:
-    """A digest of the request's API key ("" when the server has no keys)."""
-    return request.get(_KEY_TENANT, "")
+def tenant_of(request: web.Request) -> str:
+    """The request's tenant ("" when the server has no keys)."""
+    return request.get(_TENANT, "")
+
+
+def key_tenants(server: ServerConfig) -> list[tuple[bytes, str]]:
+    """(key, tenant) for every accepted key: a ``server.tenants`` key belongs to its named
+    tenant; an ``api_keys`` key is a tenant of its own, named by a digest of the key."""
+    pairs = [(k.encode(), "key-" + hashlib.sha256(k.encode()).hexdigest()[:12])
+             for k in server.api_keys]
+    return pairs + [(k.encode(), name) for name, keys in server.tenants.items() for k in keys]
 
 
 def arrival_of(request: web.Request) -> float:
@@ -60,8 +70,8 @@ async def echo_request_id(request: web.Request, response: web.StreamResponse) ->
         response.headers[REQUEST_ID] = request[_ID_KEY]
 
 
-def auth_middleware(api_keys: list[str]):
-    keys = [k.encode() for k in api_keys]
+def auth_middleware(server: ServerConfig):
+    keys = key_tenants(server)
 
     @web.middleware
     async def check_key(request: web.Request, handler) -> web.StreamResponse:
@@ -69,14 +79,15 @@ def auth_middleware(api_keys: list[str]):
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
             token = given.strip().encode()
             # NOTE: compare against every key, so the time taken says nothing about which
-            ok = False
-            for key in keys:
-                ok |= hmac.compare_digest(token, key)
-            if scheme.lower() != "bearer" or not ok:
+            tenant = None
+            for key, name in keys:
+                if hmac.compare_digest(token, key):
+                    tenant = name
+            if scheme.lower() != "bearer" or tenant is None:
                 raise APIError(401, "missing or invalid API key (send Authorization: Bearer "
                                "<key>)", code="invalid_api_key",
                                headers={"WWW-Authenticate": "Bearer"})
-            request[_KEY_TENANT] = hashlib.sha256(token).hexdigest()
+            request[_TENANT] = tenant
         return await handler(request)
 
     return check_key

@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
-MAX_LOGPROBS = 20
-MAX_N = 128
+# hard ceilings; the configured server.max_n / server.max_logprobs apply below them (admission)
+from heron.core.config import MAX_LOGPROBS, MAX_N
 
 NonNegInt = Annotated[int, Meta(ge=0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
@@ -107,6 +107,15 @@ class ChatMessage(_Body, kw_only=True):
     function_call: Any = None
 
 
+def unsupported_part(messages: list[ChatMessage]) -> str | None:
+    """The first content part that is not text (``messages[i].content[j].type``), or None."""
+    for i, message in enumerate(messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            if part.type != "text" or part.text is None:
+                return f"messages[{i}].content[{j}].type"
+    return None
+
+
 class ResponseFormat(_Body, kw_only=True):
     type: str
     json_schema: Any = None
@@ -148,10 +157,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
                 return f"messages[{i}].role"
             if message.tool_calls or message.tool_call_id or message.function_call:
                 return f"messages[{i}].tool_calls"
-            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
-                if part.type != "text" or part.text is None:
-                    return f"messages[{i}].content[{j}].type"
-        return super().unsupported_field()
+        return unsupported_part(self.messages) or super().unsupported_field()
 
 
 class TokenizeRequest(_Body, kw_only=True):

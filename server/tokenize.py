@@ -7,7 +7,7 @@ from aiohttp import web
 from heron.server.admission import chat_prompt, check_model, tokenizer_of
 from heron.server.appkeys import ASYNC_ENGINE
 from heron.server.errors import bad_request, decode_body
-from heron.server.protocol import DetokenizeRequest, TokenizeRequest
+from heron.server.protocol import DetokenizeRequest, TokenizeRequest, unsupported_part
 from heron.server.responses import DetokenizeResponse, TokenizeResponse, encode
 
 
@@ -21,6 +21,9 @@ async def tokenize(request: web.Request) -> web.Response:
         tokens = tokenizer_of(request.app).encode(req.prompt,
                                                   add_special_tokens=req.add_special_tokens)
     else:
+        if (name := unsupported_part(req.messages)) is not None:
+            raise bad_request(f"`{name}` is not supported by this server", param=name,
+                              code="unsupported_field")
         tokens = chat_prompt(request.app, req.messages,
                              add_generation_prompt=req.add_generation_prompt)
     body = TokenizeResponse(count=len(tokens), tokens=tokens,

@@ -1,0 +1,54 @@
+"""``heron serve``: serve until SIGTERM or SIGINT, then drain and stop.
+
+A drain keeps the listening socket open, so that clients get an answer rather than a
+refused connection: new requests get 503 (/health too, so a load balancer stops sending
+them). Requests already accepted may run for up to ``server.drain_timeout_s``; whatever is
+left then is aborted (its client gets a 503, or an error event on a stream). Then the
+server closes its connections, stops the engine and `serve` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import structlog
+from aiohttp import web
+
+from heron.core.config import Config
+from heron.server.app import create_app
+from heron.server.appkeys import ASYNC_ENGINE
+
+log = structlog.get_logger("heron.server")
+
+#: After the drain, how long aborted requests get to send their last bytes.
+_CLOSE_TIMEOUT_S = 5.0
+
+
+async def serve(config: Config) -> None:
+    app = create_app(config)
+    # handler_cancellation: a client that hangs up cancels its handler, which aborts its
+    # request in the engine before the next step
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                           shutdown_timeout=_CLOSE_TIMEOUT_S)
+    await runner.setup()  # loads the model
+    try:
+        site = web.TCPSite(runner, config.server.host, config.server.port)
+        await site.start()
+        log.info("listening", host=config.server.host, port=runner.addresses[0][1])
+        signalled = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, signalled.set)
+        await signalled.wait()
+        async_engine = app[ASYNC_ENGINE]
+        log.info("draining", requests=async_engine.num_requests,
+                 timeout_s=config.server.drain_timeout_s)
+        await async_engine.drain(config.server.drain_timeout_s)
+        if async_engine.num_requests:
+            log.warning("aborting requests still running after the drain",
+                        requests=async_engine.num_requests)
+        await async_engine.stop()
+    finally:
+        await runner.cleanup()
+    log.info("stopped")
