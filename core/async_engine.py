@@ -89,12 +89,11 @@ class EngineStats:
     num_requests_swapped: int = 0
     num_state_slots_in_use: int = 0
     num_adapters_in_use: int = 0
+    num_prompt_tokens_waiting: int = 0  # of the requests counted in num_requests_waiting
     # cumulative counts
     num_preemptions: int = 0
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
-    # a gauge again (last: the fields above are filled by position)
-    num_prompt_tokens_waiting: int = 0  # of the requests counted in num_requests_waiting
 
 
 Sink = Callable[[RequestDelta], None]
@@ -391,13 +390,18 @@ class AsyncEngine:
         waiting_tokens = {s.request_id: s.num_prompt_tokens for s in sched.waiting
                           if s.request_id not in running and s.request_id not in swapped}
         cache = engine.prefix_cache
-        return EngineStats(len(running), len(waiting_tokens), engine.num_kv_blocks,
-                           engine.num_blocks_in_use,
-                           cache.num_cached_blocks if cache is not None else 0, len(swapped),
-                           engine.num_state_slots_in_use, engine.num_adapters_in_use,
-                           sched.num_preemptions, sched.prefix_queried_tokens,
-                           sched.prefix_hit_tokens,
-                           num_prompt_tokens_waiting=sum(waiting_tokens.values()))
+        return EngineStats(
+            num_requests_running=len(running), num_requests_waiting=len(waiting_tokens),
+            num_kv_blocks_total=engine.num_kv_blocks,
+            num_kv_blocks_in_use=engine.num_blocks_in_use,
+            num_kv_blocks_cached=cache.num_cached_blocks if cache is not None else 0,
+            num_requests_swapped=len(swapped),
+            num_state_slots_in_use=engine.num_state_slots_in_use,
+            num_adapters_in_use=engine.num_adapters_in_use,
+            num_prompt_tokens_waiting=sum(waiting_tokens.values()),
+            num_preemptions=sched.num_preemptions,
+            prefix_cache_queried_tokens=sched.prefix_queried_tokens,
+            prefix_cache_hit_tokens=sched.prefix_hit_tokens)
 
     def _stop(self, request_id: str, reason: str, error: str | None) -> None:
         out = self.engine.abort(request_id)

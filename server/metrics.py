@@ -33,6 +33,8 @@ class Metrics:
              "num_requests_running"),
             ("heron_requests_waiting", "Requests queued, not yet running",
              "num_requests_waiting"),
+            ("heron_prompt_tokens_waiting", "Prompt tokens of the requests waiting",
+             "num_prompt_tokens_waiting"),
             ("heron_requests_swapped", "Requests with a sequence swapped out to host memory",
              "num_requests_swapped"),
             ("heron_kv_blocks_total", "KV blocks in the pool", "num_kv_blocks_total"),
