@@ -46,6 +46,8 @@ def cmd_serve(args) -> int:
     log = structlog.get_logger("heron.server")
     try:
         asyncio.run(serve(config))
+    except KeyboardInterrupt:  # before the server listened (while loading): nothing to drain
+        return 130
     except (OSError, ValueError, RuntimeError) as e:  # model load or bind failures
         log.error("could not serve", error=f"{type(e).__name__}: {e}")
         print(f"heron: error: {e}", file=sys.stderr)
