@@ -37,6 +37,12 @@ def create_app(config: Config, *, engine: Engine | None = None) -> web.Applicati
     return app
 
 
+#: How the app is run (``heron serve`` and the tests): a client that hangs up cancels its
+#: handler, which aborts its request in the engine before the next step; bodies are
+#: inflated by `heron.server.errors.decode_body`, under the body size limit.
+RUNNER_OPTIONS = {"access_log": None, "handler_cancellation": True, "auto_decompress": False}
+
+
 def served_model_name(config: Config, engine: Engine) -> str:
     """``server.served_model_name``, else the model's file or directory name."""
     return config.server.served_model_name or engine.runner.info.name.removesuffix(".gguf")

@@ -16,7 +16,7 @@ import structlog
 from aiohttp import web
 
 from heron.core.config import Config
-from heron.server.app import create_app
+from heron.server.app import RUNNER_OPTIONS, create_app
 from heron.server.appkeys import ASYNC_ENGINE
 
 log = structlog.get_logger("heron.server")
@@ -27,10 +27,7 @@ _CLOSE_TIMEOUT_S = 5.0
 
 async def serve(config: Config) -> None:
     app = create_app(config)
-    # handler_cancellation: a client that hangs up cancels its handler, which aborts its
-    # request in the engine before the next step
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
-                           shutdown_timeout=_CLOSE_TIMEOUT_S)
+    runner = web.AppRunner(app, shutdown_timeout=_CLOSE_TIMEOUT_S, **RUNNER_OPTIONS)
     await runner.setup()  # loads the model
     try:
         site = web.TCPSite(runner, config.server.host, config.server.port)

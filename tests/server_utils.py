@@ -20,7 +20,7 @@ from aiohttp import web
 
 from heron.core.config import Config, load_config
 from heron.core.engine import Engine
-from heron.server.app import create_app
+from heron.server.app import RUNNER_OPTIONS, create_app
 from heron.server.appkeys import ASYNC_ENGINE
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -48,8 +48,7 @@ class ServerThread:
 
     async def _start(self) -> None:
         self.app = create_app(self.config, engine=self.engine)
-        # handler_cancellation: a client that disconnects cancels its handler, as in `serve`
-        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
+        self._runner = web.AppRunner(self.app, **RUNNER_OPTIONS)  # as `heron serve` runs it
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()

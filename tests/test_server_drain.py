@@ -80,7 +80,8 @@ class Server:
 
     def stop(self) -> tuple[int, list[dict]]:
         _, err = self.proc.communicate(timeout=60)
-        return self.proc.returncode, [json.loads(ln) for ln in err.splitlines() if ln.startswith("{")]
+        logs = [json.loads(ln) for ln in err.splitlines() if ln.startswith("{")]
+        return self.proc.returncode, logs
 
 
 def test_sigterm_drains_running_requests_and_refuses_new_ones(model):
