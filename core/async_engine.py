@@ -108,6 +108,7 @@ class _Pending:
     accepted: asyncio.Future
     tenant: str
     adapter: str | None = None
+    encoder_prompt: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -240,9 +241,11 @@ class AsyncEngine:
     # -- commands (event loop thread) ------------------------------------------------------
 
     async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                  sink: Sink, *, tenant: str = "", adapter: str | None = None) -> None:
+                  sink: Sink, *, tenant: str = "", adapter: str | None = None,
+                  encoder_prompt: list[int] | None = None) -> None:
         """Queue a request; returns once the engine accepted it (deltas then go to ``sink``).
-        ``adapter``: the name of a loaded LoRA adapter to apply, or None for the base model."""
+        ``adapter``: the name of a loaded LoRA adapter to apply, or None for the base model;
+        ``encoder_prompt``: an encoder-decoder model's source (`Engine.add_request`)."""
         if not self.is_running:
             raise EngineStoppedError("the server is shutting down" if self.draining
                                      else "the engine is not running")
@@ -259,7 +262,7 @@ class AsyncEngine:
                                  f"{len(prompt_ids)}", limit="max_waiting_tokens")
         accepted = asyncio.get_running_loop().create_future()
         self._pending[request_id] = _Pending(request_id, prompt_ids, params, sink, accepted,
-                                             tenant, adapter)
+                                             tenant, adapter, encoder_prompt)
         self._wake.set()
         await accepted
 
@@ -344,7 +347,7 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(p.request_id, p.prompt_ids, p.params, tenant=p.tenant,
-                                        adapter=p.adapter)
+                                        adapter=p.adapter, encoder_prompt=p.encoder_prompt)
             except Exception as e:  # the Engine's ValueError reaches the caller as is
                 p.accepted.set_exception(e)
                 continue

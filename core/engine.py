@@ -64,15 +64,17 @@ class Engine:
         # families with states get snapshots and neither of the others
         stateless = not spec.states
         cache_cfg = config.prefix_cache
+        # an encoder-decoder's decoder KV depends on its source, which the cache does not key
+        caching = cache_cfg.enabled and not self.runner.is_encoder_decoder
         self.states = None
         if not stateless:
             num_snapshots = 0
-            if cache_cfg.enabled:
+            if caching:
                 num_snapshots = cache_cfg.num_snapshots or int(
                     cache_cfg.snapshot_memory_gb * 2**30) // snapshot_bytes(spec, self.dtype)
             self.states = StatePool(self.cache, engine.max_num_seqs, num_snapshots)
         self.prefix_cache = None
-        if cache_cfg.enabled:
+        if caching:
             self.prefix_cache = PrefixCache(
                 self.block_pool, engine.block_size, cache_cfg.eviction,
                 snapshots=self.states.snapshot_pool if self.states else None,
@@ -168,8 +170,13 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, *, tenant: str = "",
-                    adapter: str | None = None) -> None:
+                    adapter: str | None = None,
+                    encoder_prompt: str | list[int] | None = None) -> None:
         """Queue a request. Raises ValueError for a prompt or params the engine cannot serve.
+
+        An encoder-decoder model (``runner.is_encoder_decoder``) needs ``encoder_prompt``
+        (the source: text or token ids) beside the decoder ``prompt``; other models refuse
+        one.
 
         Requests share prefix-cache blocks only with requests of the same ``tenant`` and
         ``adapter`` (a loaded LoRA adapter's name; None: the base model). With ``n > 1`` the
@@ -186,12 +193,13 @@ class Engine:
                 raise ValueError(f"unknown adapter {adapter!r}; loaded: {sorted(self.adapters)}")
         prompt_ids = self._encode(prompt)
         self._check_fits(prompt_ids, params)
+        encoder_ids = self._encoder_prompt(encoder_prompt)
         arrival = next(self._arrivals)
         seqs, outputs = [], []
         namespace = Namespace(adapter=adapter_key, tenant=tenant)
         for index in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, prompt_ids, params, arrival,
-                           namespace)
+                           namespace, encoder_ids)
             if params.seed is not None:
                 seq.generator = torch.Generator(self.device).manual_seed(params.seed + index)
             seqs.append(seq)
@@ -222,6 +230,20 @@ class Engine:
         if not ids:
             raise ValueError("the prompt is empty")
         return ids
+
+    def _encoder_prompt(self, prompt: str | list[int] | None) -> tuple[int, ...]:
+        runner = self.runner
+        if not runner.is_encoder_decoder:
+            if prompt is not None:
+                raise ValueError("this model has no encoder: it takes no encoder prompt")
+            return ()
+        if prompt is None:
+            raise ValueError("this model is an encoder-decoder: send an encoder prompt")
+        ids = self._encode(prompt)
+        if len(ids) > runner.max_encoder_len:
+            raise ValueError(f"the encoder prompt has {len(ids)} tokens; this model encodes "
+                             f"at most {runner.max_encoder_len}")
+        return tuple(ids)
 
     def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
         n = len(prompt_ids)

@@ -81,6 +81,11 @@ class ModelRunner(ABC):
     #: token's in a prompt (so what decode wrote differs from a recompute of that text): the
     #: prefix cache then keeps only the prompt tokens of each sequence.
     generated_matches_prompt: bool = True
+    #: True for an encoder-decoder: every request then carries an encoder prompt
+    #: (``Sequence.encoder_token_ids``, at most `max_encoder_len` tokens) and ``token_ids``
+    #: are the decoder's; the prefix cache is off (it does not key KV by the source).
+    is_encoder_decoder: bool = False
+    max_encoder_len: int = 0
 
     @abstractmethod
     def cache_spec(self) -> CacheSpec:

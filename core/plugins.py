@@ -20,7 +20,7 @@ from heron.core.family import FamilySpec
 from heron.core.kernels import register_kernel_file
 
 DEFAULT_PLUGINS = ("heron.plugins.transformer.plugin", "heron.plugins.hybrid_ssm.plugin",
-                   "heron.plugins.lora.plugin")
+                   "heron.plugins.lora.plugin", "heron.plugins.nllb.plugin")
 ENTRY_POINT_GROUP = "heron"
 
 

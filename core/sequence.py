@@ -27,6 +27,8 @@ class Sequence:
     admitted, then the number of prompt tokens that admission reused from the cache.
     ``host_block_table`` holds its KV while it is swapped out. ``state_slot`` indexes the
     family's per-sequence state tensors (families that declare states) while it runs.
+    ``encoder_token_ids`` is an encoder-decoder model's source (the decoder's input is
+    ``token_ids``).
     ``family_state`` is whatever the model family's ``alloc_sequence`` returned; the engine
     never looks inside it.
     """
@@ -35,11 +37,13 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_table", "status", "params", "arrival", "family_state", "generator",
         "namespace", "num_cached_tokens", "host_block_table", "state_slot", "lora_slot",
+        "encoder_token_ids",
     )
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams, arrival: int,
-                 namespace: Namespace = Namespace()) -> None:
+                 namespace: Namespace = Namespace(),
+                 encoder_token_ids: tuple[int, ...] = ()) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -56,6 +60,7 @@ class Sequence:
         self.host_block_table: list[int] = []
         self.state_slot: int | None = None  # the engine's state slot while it runs
         self.lora_slot: int | None = None  # its adapter's slot while it runs (namespace.adapter)
+        self.encoder_token_ids = encoder_token_ids  # an encoder-decoder's source; () otherwise
 
     def __len__(self) -> int:
         return len(self.token_ids)
