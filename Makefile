@@ -9,7 +9,7 @@ PLUGIN       := plugin_template
 PLUGIN_STAMP := $(VENV)/.plugin-installed
 PLUGIN_FILES := $(shell find $(PLUGIN) -path $(PLUGIN)/build -prune -o \( -name '*.py' -o -name '*.cu' -o -name '*.toml' \) -print)
 
-.PHONY: setup model test serve bench bench-offline bench-profile bench-multiturn bench-lora bench-soak kernels-check clean
+.PHONY: setup model test serve bench bench-offline bench-profile bench-multiturn bench-lora bench-soak bench-translation kernels-check clean
 
 setup: $(STAMP) $(PLUGIN_STAMP) model
 
@@ -57,6 +57,9 @@ bench-multiturn: setup
 
 bench-lora: setup
 	$(BIN)/python -m bench.lora
+
+bench-translation: setup
+	$(BIN)/python -m bench.translation
 
 bench-soak: setup
 	$(BIN)/python -m bench.soak

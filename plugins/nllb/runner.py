@@ -37,6 +37,32 @@ class NllbRunner(ModelRunner):
     def bind_cache(self, cache: CacheTensors) -> None:
         self.cache = cache
 
+    def _batched_cross_attention(self, slots: list[int], sources: list[int], scale: float):
+        """Cross-attention for one query row per sequence, in one call per layer over the
+        slot tensor itself (no gather): queries go to their sequences' slots, and the slots
+        no sequence of this batch holds attend to nothing that is used."""
+        cross = self.cache.states["cross_kv"]
+        num = max(slots) + 1
+        longest = max(sources)
+        index = torch.tensor(slots, device=cross.device)
+        lengths = torch.zeros(num, dtype=torch.long, device=cross.device)
+        lengths[index] = torch.tensor(sources, device=cross.device)
+        mask = (torch.arange(longest, device=cross.device)[None, :] < lengths[:, None])
+        mask = mask[:, None, None, :]  # [slots, 1, 1, S]
+        mask[lengths == 0] = True  # unused slots: any finite row, discarded below
+
+        def cross_attention(i, q):  # q [B, heads, head_dim]
+            heads, head_dim = q.shape[1:]
+            q_all = q.new_zeros(num, heads, 1, head_dim)
+            q_all[index] = q[:, :, None, :]
+            k = cross[:num, i, 0, :longest].transpose(1, 2)  # [slots, heads, S, head_dim]
+            v = cross[:num, i, 1, :longest].transpose(1, 2)
+            o = torch.nn.functional.scaled_dot_product_attention(q_all, k, v, attn_mask=mask,
+                                                                 scale=scale)
+            return o[index].reshape(len(slots), heads * head_dim)
+
+        return cross_attention
+
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
         model, cfg = self.model, self.model.cfg
@@ -59,9 +85,13 @@ class NllbRunner(ModelRunner):
             o = paged_attention(q.contiguous(), k_cache, v_cache, batch.attn, scale)
             return o.reshape(q.shape[0], -1)
 
-        def cross_attention(i, q):  # each sequence's rows over its own source
-            return torch.cat([attend(q[a:b], cross[slot, i, 0, :s], cross[slot, i, 1, :s], scale)
-                              for a, b, slot, s in zip(starts, starts[1:], slots, sources)])
+        if len(slots) == batch.num_tokens:  # decode only: one query row per sequence
+            cross_attention = self._batched_cross_attention(slots, sources, scale)
+        else:
+            def cross_attention(i, q):  # each sequence's rows over its own source
+                return torch.cat([attend(q[a:b], cross[slot, i, 0, :s], cross[slot, i, 1, :s],
+                                         scale)
+                                  for a, b, slot, s in zip(starts, starts[1:], slots, sources)])
 
         x = model.decoder(model.embed_decoder_tokens(batch.input_ids, batch.positions),
                           self_attention, cross_attention)

@@ -1,0 +1,121 @@
+"""Translation throughput: heron's nllb family vs transformers ``generate``, one run.
+
+A random-weight M2M100 shaped for a CPU (6 + 6 layers, d_model 512, 8 heads, FFN 2048) with
+a tokenizer trained on made-up sentences (tests/nllb_models.py; no downloads), 64 source
+sentences of 5-30 words, ``--max-tokens`` target tokens each (random weights never pick EOS,
+so both produce exactly that many), fp32 on the CPU. heron runs every sentence
+concurrently with continuous batching; transformers runs batches of ``--batch-size``
+(padded, KV cache on). Target tokens/s for each and the ratio; JSON to
+bench/results/translation-<date>.json.
+
+    python -m bench.translation [--num-beams 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPE = dict(d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
+             decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048,
+             max_position_embeddings=256)
+
+
+def sources(num: int, seed: int = 0) -> list[str]:
+    from tests.nllb_models import corpus
+    words = " ".join(corpus(200, seed=seed)).split()
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(5, 30))) for _ in range(num)]
+
+
+def bench_heron(path: Path, tok, texts, tgt_id: int, max_tokens: int) -> dict:
+    from heron.core import Engine, SamplingParams, load_config
+
+    engine = Engine(load_config(None, {
+        "model.path": str(path), "model.dtype": "float32", "model.device": "cpu",
+        "engine.max_num_seqs": len(texts), "engine.max_num_batched_tokens": 4096}))
+    start_id = engine.runner.model.cfg.decoder_start_token_id
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    def run(batch):
+        for i, text in enumerate(batch):
+            engine.add_request(f"r{i}", [start_id, tgt_id], params,
+                               encoder_prompt=tok(text).input_ids)
+        done = 0
+        while engine.has_unfinished():
+            done += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        return done
+
+    run(texts[:2])  # warm-up
+    start = time.perf_counter()
+    num_tokens = run(texts)
+    elapsed = time.perf_counter() - start
+    return {"target_tokens": num_tokens, "seconds": elapsed, "tokens_per_s": num_tokens / elapsed}
+
+
+def bench_transformers(model, tok, texts, tgt_id: int, max_tokens: int,
+                       batch_size: int) -> dict:
+    model.generation_config.eos_token_id = None  # never stop early: the same count as heron
+    kw = dict(num_beams=1, do_sample=False, forced_bos_token_id=tgt_id,
+              min_new_tokens=max_tokens + 1, max_new_tokens=max_tokens + 1)
+    with torch.inference_mode():
+        model.generate(**tok(texts[:2], return_tensors="pt", padding=True), **kw)  # warm-up
+        start = time.perf_counter()
+        num_tokens = 0
+        for i in range(0, len(texts), batch_size):
+            batch = tok(texts[i:i + batch_size], return_tensors="pt", padding=True)
+            out = model.generate(**batch, **kw)
+            num_tokens += (out.shape[1] - 2) * out.shape[0]  # after decoder start + language
+        elapsed = time.perf_counter() - start
+    return {"target_tokens": num_tokens, "seconds": elapsed, "tokens_per_s": num_tokens / elapsed,
+            "batch_size": batch_size}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sentences", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" /
+                        f"translation-{dt.date.today().isoformat()}.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(ROOT))
+    from tests.nllb_models import build_nllb, build_tokenizer
+
+    texts = sources(args.sentences)
+    with tempfile.TemporaryDirectory(prefix="heron-translation-") as tmp:
+        path = Path(tmp) / "m2m100"
+        tok = build_tokenizer(path)
+        model = build_nllb(path, len(tok), **SHAPE)
+        tgt_id = tok.convert_tokens_to_ids("fra_Latn")
+        heron = bench_heron(path, tok, texts, tgt_id, args.max_tokens)
+        hf = bench_transformers(model, tok, texts, tgt_id, args.max_tokens, args.batch_size)
+    assert heron["target_tokens"] == hf["target_tokens"], (heron, hf)
+    result = {"date": dt.datetime.now().isoformat(timespec="seconds"),
+              "machine": platform.processor() or platform.machine(), "threads": args.threads,
+              "model": {"layers": "6+6", **SHAPE, "vocab": len(tok)},
+              "sentences": args.sentences, "max_tokens": args.max_tokens, "num_beams": 1,
+              "heron": heron, "transformers": hf,
+              "ratio": heron["tokens_per_s"] / hf["tokens_per_s"]}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"heron {heron['tokens_per_s']:.1f} target tok/s, transformers "
+          f"{hf['tokens_per_s']:.1f} (batch {args.batch_size}): {result['ratio']:.2f}x")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
