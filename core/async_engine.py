@@ -256,10 +256,11 @@ class AsyncEngine:
         # NOTE: the scheduler's part is the last snapshot (stats), like the count above:
         # reading the scheduler here could race the step in flight
         waiting = self.stats.num_prompt_tokens_waiting + sum(
-            len(p.prompt_ids) for p in self._pending.values())
-        if waiting and waiting + len(prompt_ids) > self.max_waiting_tokens:
+            len(p.prompt_ids) + len(p.encoder_prompt or ()) for p in self._pending.values())
+        mine = len(prompt_ids) + len(encoder_prompt or ())
+        if waiting and waiting + mine > self.max_waiting_tokens:
             raise QueueFullError(f"{waiting} prompt tokens are already waiting, this prompt has "
-                                 f"{len(prompt_ids)}", limit="max_waiting_tokens")
+                                 f"{mine}", limit="max_waiting_tokens")
         accepted = asyncio.get_running_loop().create_future()
         self._pending[request_id] = _Pending(request_id, prompt_ids, params, sink, accepted,
                                              tenant, adapter, encoder_prompt)
@@ -390,7 +391,8 @@ class AsyncEngine:
         sched = engine.scheduler
         running = {s.request_id for s in sched.running}
         swapped = {s.request_id for s in sched.swapped} - running
-        waiting_tokens = {s.request_id: s.num_prompt_tokens for s in sched.waiting
+        waiting_tokens = {s.request_id: s.num_prompt_tokens + len(s.encoder_token_ids)
+                          for s in sched.waiting
                           if s.request_id not in running and s.request_id not in swapped}
         cache = engine.prefix_cache
         return EngineStats(

@@ -25,6 +25,9 @@ _SECRET_KEYS = frozenset({"api_keys", "tenants"})  # never echoed in errors, rep
 MAX_N = 128
 MAX_LOGPROBS = 1024
 
+#: An NLLB-200 language code (``eng_Latn``, ``zho_Hant``): ISO 639-3 language, ISO 15924 script.
+LANGUAGE_CODE = re.compile(r"[a-z]{3}_[A-Z][a-z]{3}")
+
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
@@ -52,12 +55,18 @@ class ModelConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = None
     num_threads: int | None = None
+    # translation models: the language of requests that name none
+    src_lang: str | None = None
+    tgt_lang: str | None = None
 
     def _checks(self):
         return (("max_model_len", self.max_model_len is None or self.max_model_len >= 1,
                  "must be >= 1"),
                 ("num_threads", self.num_threads is None or self.num_threads >= 1,
-                 "must be >= 1"))
+                 "must be >= 1"),
+                *((name, code is None or bool(LANGUAGE_CODE.fullmatch(code)),
+                   "must be an NLLB language code like `eng_Latn`")
+                  for name, code in (("src_lang", self.src_lang), ("tgt_lang", self.tgt_lang))))
 
 
 class EngineConfig(_Section):

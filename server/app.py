@@ -18,6 +18,7 @@ from heron.server.logprob_format import TokenTexts
 from heron.server.metrics import Metrics
 from heron.server.middleware import auth_middleware, echo_request_id, request_id_middleware
 from heron.server.routes import setup_routes
+from heron.server.translation_jobs import check_language_defaults
 
 log = structlog.get_logger("heron.server")
 
@@ -55,6 +56,7 @@ def _engine_context(given: Engine | None):
         if engine is None:
             # loading takes seconds to minutes; keep the loop free for signals meanwhile
             engine = await asyncio.get_running_loop().run_in_executor(None, Engine, config)
+        check_language_defaults(config.model, engine.runner)
         async_engine = AsyncEngine(engine,
                                    max_waiting_requests=config.server.max_waiting_requests,
                                    max_waiting_tokens=config.server.max_waiting_tokens)

@@ -19,12 +19,14 @@ from heron.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionC
                                     ChatCompletionResponse, ChatDelta, ChatLogprobs,
                                     ChatMessageOut, api_finish_reason, encode)
 from heron.server.sse import EventStream
+from heron.server.translation_jobs import refuse_translation_model
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     app = request.app
     req = await decode_body(request, ChatCompletionRequest)
     adapter = check_request(app, req)
+    refuse_translation_model(app, "/v1/chat/completions")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
     prompt_ids = chat_prompt(app, req.messages, add_generation_prompt=req.add_generation_prompt,

@@ -3,6 +3,9 @@
 ``echo`` prepends each prompt (and, with ``logprobs``, its prompt logprobs, the first token
 having none). ``max_tokens: 0`` with ``echo`` scores the prompt without generating, the way
 evaluation harnesses use the API.
+
+On a translation model ``prompt`` is the source text (a string or strings) and
+``src_lang`` / ``tgt_lang`` / ``num_beams`` apply (`heron.server.translation_jobs`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from heron.server.protocol import CompletionRequest
 from heron.server.responses import (CompletionChoice, CompletionLogprobs, CompletionResponse,
                                     api_finish_reason, encode)
 from heron.server.sse import EventStream
+from heron.server.translation_jobs import (completion_jobs, is_translation_model,
+                                      refuse_translation_fields)
 
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
@@ -29,14 +34,20 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         raise bad_request("`max_tokens` must be >= 1 (0 is allowed only with `echo`)",
                           param="max_tokens")
     max_tokens = 1 if score_only else req.max_tokens
-    texts, prompts = encode_prompts(request.app, req.prompt)
-    for ids in prompts:
-        check_fits(request.app, ids, max_tokens, "prompt")
+    sources = None
+    if is_translation_model(request.app):
+        texts, jobs = completion_jobs(request.app, req, max_tokens)
+        prompts, sources = jobs.prompts, jobs.sources
+    else:
+        refuse_translation_fields(request.app, req)
+        texts, prompts = encode_prompts(request.app, req.prompt)
+        for ids in prompts:
+            check_fits(request.app, ids, max_tokens, "prompt")
     params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
                              prompt_logprobs=req.logprobs if req.echo else None)
     view = _View(request, req, texts, prompts, score_only)
     async with Generation(request, "cmpl", prompts, params, req.cache_salt,
-                          adapter=adapter) as gen:
+                          adapter=adapter, encoder_prompts=sources) as gen:
         if req.stream:
             return await view.stream(gen)
         await gen.run_to_end()

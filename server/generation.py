@@ -2,10 +2,11 @@
 
 A completion with several prompts, or any call with ``n > 1``, becomes one engine request
 per prompt (each with ``n`` sequences); choice ``p * n + i`` is sequence ``i`` of prompt
-``p``. `Generation` is an async context manager: entering submits every prompt (or none,
-raising the APIError the client should get); leaving aborts whatever is still running (the
-client went away, or the handler failed), records the metrics and writes the request's log
-line.
+``p``. A translation model's prompts are decoder prompts, each with its source
+(``encoder_prompts``, which usage counts as the prompt tokens). `Generation` is an async
+context manager: entering submits every prompt (or none, raising the APIError the client
+should get); leaving aborts whatever is still running (the client went away, or the
+handler failed), records the metrics and writes the request's log line.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class Generation:
 
     def __init__(self, request: web.Request, kind: str, prompts: list[list[int]],
                  params: SamplingParams, cache_salt: str | None = None, *,
-                 adapter: str | None = None) -> None:
+                 adapter: str | None = None,
+                 encoder_prompts: list[list[int]] | None = None) -> None:
         app = request.app
         self._request = request
         self.engine, self.metrics = app[ASYNC_ENGINE], app[METRICS]
@@ -62,6 +64,7 @@ class Generation:
         self.id = f"{kind}-{uuid.uuid4().hex}"
         self.request_id = request_id_of(request)
         self.kind, self.prompts, self.params = kind, prompts, params
+        self.encoder_prompts = encoder_prompts
         self.tenant = tenant_of(request)
         self.namespace = _namespace(self.tenant, cache_salt or "")
         self.created = int(time.time())
@@ -88,7 +91,9 @@ class Generation:
                 self._live.add(rid)
                 await self.engine.add(rid, prompt_ids, self.params,
                                       lambda delta, p=p: self._queue.put_nowait((p, delta)),
-                                      tenant=self.namespace, adapter=self.adapter)
+                                      tenant=self.namespace, adapter=self.adapter,
+                                      encoder_prompt=(None if self.encoder_prompts is None
+                                                      else self.encoder_prompts[p]))
         except BaseException as e:
             self._abort_live()
             if (isinstance(e, ValueError) and self.adapter is not None
@@ -96,7 +101,7 @@ class Generation:
                 e = APIError(404, f"the LoRA adapter `{self.adapter}` was unloaded",
                              param="model", code="model_not_found")
             raise _admission_error(e, self.metrics) from None
-        self.metrics.prompt_tokens.inc(sum(map(len, self.prompts)))
+        self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
@@ -209,8 +214,13 @@ class Generation:
                                 code="aborted")
         return None
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The prompts' tokens; a translation's are its sources'."""
+        return sum(map(len, self.encoder_prompts or self.prompts))
+
     def usage(self, *, count_completion: bool = True) -> Usage:
-        prompt = sum(map(len, self.prompts))
+        prompt = self.num_prompt_tokens
         completion = (sum(len(c.token_ids) for c in self.choices.values())
                       if count_completion else 0)
         return Usage(prompt_tokens=prompt, completion_tokens=completion,

@@ -20,6 +20,8 @@ ROUTES = (
      res.CompletionResponse, True),
     ("post", "/v1/chat/completions", "Chat completion", req.ChatCompletionRequest,
      res.ChatCompletionResponse, True),
+    ("post", "/v1/translations", "Translation (translation models: `src_lang` and `tgt_lang` "
+     "are NLLB codes like `eng_Latn`)", req.TranslationRequest, res.TranslationResponse, False),
     ("post", "/tokenize", "Token ids of a prompt or chat", req.TokenizeRequest,
      res.TokenizeResponse, False),
     ("post", "/detokenize", "Text of token ids", req.DetokenizeRequest,

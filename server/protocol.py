@@ -20,6 +20,9 @@ NonNegInt = Annotated[int, Meta(ge=0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+# NLLB language codes (``eng_Latn``): one for every input, or one per input
+LanguageCodes = str | list[str]
+NumBeams = Annotated[int, Meta(ge=1)]
 
 
 class _Body(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -82,9 +85,33 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool = False
     logprobs: NumLogprobs | None = None
     suffix: str | None = None
+    # translation models only (then ``prompt`` is the source text)
+    src_lang: LanguageCodes | None = None
+    tgt_lang: LanguageCodes | None = None
+    num_beams: NumBeams | None = None
 
     def unsupported_field(self) -> str | None:
         return "suffix" if self.suffix else super().unsupported_field()
+
+
+class TranslationRequest(_Body, kw_only=True):
+    """/v1/translations: ``input`` is one source text or several; ``src_lang`` and
+    ``tgt_lang`` one code for all or one per input (unset: ``model.src_lang`` /
+    ``model.tgt_lang``). Greedy unless ``temperature`` is set."""
+
+    model: str | None = None
+    input: str | list[str]
+    src_lang: LanguageCodes | None = None
+    tgt_lang: LanguageCodes | None = None
+    num_beams: NumBeams | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 0.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1)] = 0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
+    seed: Seed | None = None
+    user: str | None = None  # accepted and ignored
 
 
 class ContentPart(_Body, kw_only=True):

@@ -116,6 +116,23 @@ class ChatCompletionChunk(_Out, kw_only=True):
     usage: Usage | None = None
 
 
+# -- /v1/translations --------------------------------------------------------------------
+
+class Translation(_Out, kw_only=True):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class TranslationResponse(_Out, kw_only=True):
+    id: str
+    object: Literal["translation"] = "translation"
+    created: int
+    model: str
+    translations: list[Translation]
+    usage: Usage
+
+
 # -- other routes ------------------------------------------------------------------------
 
 class ModelCard(_Out, kw_only=True):

@@ -9,6 +9,7 @@ from heron.server.completions import create_completion
 from heron.server.info import health, list_models, metrics, openapi
 from heron.server.lora import load_lora_adapter, unload_lora_adapter
 from heron.server.tokenize import detokenize, tokenize
+from heron.server.translations import create_translation
 
 
 def setup_routes(app: web.Application) -> None:
@@ -18,6 +19,7 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/v1/translations", create_translation)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)

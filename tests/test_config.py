@@ -46,6 +46,7 @@ def test_test_toml_loads():
     ("[engine]\nblock_size = 0\n", "block_size", "must be in 1..1024"),
     ("[model]\ndtype = \"int4\"\n", "dtype", "Invalid enum value"),
     ("[nope]\nx = 1\n", "nope", "unknown field"),
+    ("[model]\ntgt_lang = \"fr\"\n", "tgt_lang", "must be an NLLB language code"),
 ])
 def test_rejections_name_file_and_key(tmp_path, text, key, reason):
     path = tmp_path / "bad.toml"

@@ -1,0 +1,51 @@
+"""POST /v1/translations: source texts in, their translations out (translation models only).
+
+``input`` is one text or several; ``src_lang`` / ``tgt_lang`` give one code for every input
+or one per input, so one request may mix language pairs. Greedy unless ``temperature`` is
+set; the whole response at once (no streaming). Translation ``i`` is input ``i``'s.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from heron.core.sampling_params import SamplingParams
+from heron.server.admission import check_model
+from heron.server.errors import bad_request, decode_body
+from heron.server.generation import Generation
+from heron.server.protocol import TranslationRequest
+from heron.server.responses import Translation, TranslationResponse, api_finish_reason, encode
+from heron.server.translation_jobs import require_translation_model, translation_jobs
+
+
+async def create_translation(request: web.Request) -> web.Response:
+    app = request.app
+    require_translation_model(app, "/v1/translations")
+    req = await decode_body(request, TranslationRequest)
+    adapter = check_model(app, req.model)
+    texts = [req.input] if isinstance(req.input, str) else req.input
+    jobs = translation_jobs(app, texts, "input", req.src_lang, req.tgt_lang, req.num_beams,
+                            req.max_tokens)
+    params = _sampling_params(req)
+    async with Generation(request, "trans", jobs.prompts, params, adapter=adapter,
+                          encoder_prompts=jobs.sources) as gen:
+        await gen.run_to_end()
+        if (error := gen.failure()) is not None:
+            raise error
+        translations = [Translation(index=c.index, text=c.text,
+                                    finish_reason=api_finish_reason(c.finish_reason))
+                        for c in sorted(gen.choices.values(), key=lambda c: c.index)]
+        body = TranslationResponse(id=gen.id, created=gen.created, model=gen.model,
+                                   translations=translations, usage=gen.usage())
+        return web.Response(body=encode(body), content_type="application/json")
+
+
+def _sampling_params(req: TranslationRequest) -> SamplingParams:
+    params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature,
+                            top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+                            repetition_penalty=req.repetition_penalty)
+    try:
+        params.validate()
+    except ValueError as e:  # "<field> is out of range: ..."
+        raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from None
+    return params
