@@ -16,6 +16,9 @@ same order, so scores and even ties (``-1e9`` placeholders, ``-inf`` tokens) com
 * the best ``num_beams`` candidates that do not end become the next running beams; the
   candidates among the first ``num_beams`` that do end compete, length-penalized, for the
   ``num_beams`` finished slots.
+
+Not covered: sampling beams (``do_sample``), ``forced_eos_token_id`` and the other logits
+processors (repetition penalty, no-repeat n-grams), group and constrained beam search.
 """
 
 from __future__ import annotations
@@ -39,9 +42,10 @@ class BeamSearch:
         forced first token included). transformers' ``max_length`` is the decoder prompt
         length plus this.
     :param eos_token_ids: tokens that end a hypothesis; may be empty.
-    :param length_penalty: a finished hypothesis scores ``sum(logprobs) / len ** lp`` where
-        ``len`` counts its new tokens, EOS and forced first token included (for
-        encoder-decoders: the decoder sequence without the start token).
+    :param length_penalty: a finished hypothesis scores ``sum(logprobs) / len ** lp``: the
+        log-probabilities after the bans below (a forced token adds 0), ``len`` its new
+        tokens, EOS and forced first token included (for encoder-decoders: the decoder
+        sequence without the start token).
     :param early_stopping: ``True`` stops as soon as ``num_beams`` hypotheses finished;
         ``False`` stops when the best running beam, penalized at its current length, cannot
         beat the worst finished one; ``"never"`` penalizes it at ``max_new_tokens`` instead
@@ -64,7 +68,8 @@ class BeamSearch:
         if max_new_tokens < 1 or min_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 1 and min_new_tokens >= 0")
         if early_stopping not in (True, False, "never"):
-            raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+            raise ValueError(f"early_stopping must be True, False or 'never', "
+                             f"got {early_stopping!r}")
         self.num_beams, self.max_new_tokens = num_beams, max_new_tokens
         self.eos_token_ids = tuple(eos_token_ids)
         self.length_penalty, self.early_stopping = length_penalty, early_stopping
@@ -80,7 +85,6 @@ class BeamSearch:
         self._finished: list[list[int]] = [[] for _ in range(num_beams)]
         self._finished_scores = torch.full((num_beams,), NEG)
         self._is_finished = torch.zeros(num_beams, dtype=torch.bool)
-        self._can_improve = True  # transformers' is_early_stop_heuristic_unsatisfied
 
     def step(self, logits: torch.Tensor) -> list[tuple[int, int]]:
         """Advance by one token.
@@ -119,9 +123,8 @@ class BeamSearch:
 
         self._update_finished(top_scores, ends, candidates, length)
         self.num_new_tokens = length
-        self._update_can_improve()
         all_full = bool(self._is_finished.all()) and self.early_stopping is True
-        self.done = not self._can_improve or all_full or bool(ends.all())
+        self.done = all_full or bool(ends.all()) or not self._can_improve()
         if self.done:
             return []
         # All beams of the first step come from the single prompt row.
@@ -150,15 +153,13 @@ class BeamSearch:
     def _update_finished(self, top_scores: torch.Tensor, ends: torch.Tensor,
                          candidates: list[list[int]], length: int) -> None:
         """transformers' ``_update_finished_beams``: only the first ``num_beams`` candidates
-        may finish (the rest are spares for the running beams); nothing finishes once the
-        heuristic says no improvement is possible, or, with ``early_stopping=True``, once
-        all slots are full."""
+        may finish (the rest are spares for the running beams).
+
+        NOTE: transformers also bars new finishes once its heuristic says no improvement is
+        possible, or with ``early_stopping=True`` once all slots are full; for one request
+        both mean the search is already done, so those terms only matter in a batch."""
         device = top_scores.device
         scores = top_scores / (length ** self.length_penalty)
-        if bool(self._is_finished.all()) and self.early_stopping is True:
-            scores = scores + NEG
-        if not self._can_improve:
-            scores = scores + NEG
         is_top = torch.arange(self.num_candidates, device=device) < self.num_beams
         just_finished = ends & is_top
         scores = scores + (~just_finished).to(torch.float32) * NEG
@@ -169,9 +170,9 @@ class BeamSearch:
         self._finished_scores = merged[pick]
         self._is_finished = torch.cat((self._is_finished.to(device), just_finished))[pick]
 
-    def _update_can_improve(self) -> None:
+    def _can_improve(self) -> bool:
         """transformers' ``_check_early_stop_heuristic``: can the best running beam still
-        beat the worst finished slot? Once false, it stays false."""
+        beat the worst finished slot?"""
         if self.early_stopping == "never" and self.length_penalty > 0.0:
             best_length = self.max_new_tokens
         else:
@@ -180,4 +181,4 @@ class BeamSearch:
         # NOTE: while a slot is empty its -1e9 is the minimum, so any real beam can improve.
         worst_finished = torch.where(self._is_finished, self._finished_scores.min(),
                                      torch.tensor(NEG, device=self._is_finished.device))
-        self._can_improve = self._can_improve and bool((best_running > worst_finished).any())
+        return bool((best_running > worst_finished).any())
