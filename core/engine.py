@@ -13,6 +13,8 @@ import torch
 
 from heron.core.adapter_pool import AdapterPool
 from heron.core.batch_builder import BatchBuilder
+from heron.core.beam_search import BeamSearch
+from heron.core.beams import BeamGroup
 from heron.core.block_pool import BlockPool
 from heron.core.config import Config
 from heron.core.device import resolve_device
@@ -197,18 +199,22 @@ class Engine:
         arrival = next(self._arrivals)
         seqs, outputs = [], []
         namespace = Namespace(adapter=adapter_key, tenant=tenant)
-        for index in range(params.n):
+        for index in range(params.n if params.num_beams == 1 else 1):
             seq = Sequence(next(self._seq_ids), request_id, prompt_ids, params, arrival,
                            namespace, encoder_ids)
             if params.seed is not None:
                 seq.generator = torch.Generator(self.device).manual_seed(params.seed + index)
             seqs.append(seq)
-            outputs.append(SeqOutput(seq, index, self.tokenizer, self.runner.info.eos_token_ids,
-                                     self.max_model_len))
+            if params.num_beams == 1:  # beam outputs are the search's (`BeamGroup`)
+                outputs.append(SeqOutput(seq, index, self.tokenizer,
+                                         self.runner.info.eos_token_ids, self.max_model_len))
         state = RequestState(request_id, prompt_ids, params, seqs, outputs)
+        if params.num_beams > 1:
+            state.beam = self._beam_group(seqs[0], params)
         self._requests[request_id] = state
-        for seq, out in zip(seqs, outputs):
+        for seq in seqs:
             self._by_seq[seq.seq_id] = state
+        for seq, out in zip(seqs, outputs):
             self._outputs[seq.seq_id] = out
         if self._share_prompt:
             state.unforked = seqs[1:]
@@ -230,6 +236,27 @@ class Engine:
         if not ids:
             raise ValueError("the prompt is empty")
         return ids
+
+    def _beam_group(self, root: Sequence, params: SamplingParams) -> BeamGroup:
+        """Beam search for ``root``'s request. For an encoder-decoder the decoder prompt's
+        tokens after the start token (NLLB's target language) count as generated, forced
+        tokens, as transformers' ``forced_bos_token_id`` does."""
+        if params.num_beams > self.config.engine.max_num_seqs:
+            raise ValueError(f"num_beams ({params.num_beams}) exceeds engine.max_num_seqs "
+                             f"({self.config.engine.max_num_seqs})")
+        forced = root.token_ids[1:] if self.runner.is_encoder_decoder else []
+        if len(forced) > 1:
+            raise ValueError("beam search takes at most one token after the decoder start")
+        max_tokens = params.max_tokens or self.max_model_len - root.num_prompt_tokens
+        eos = () if params.ignore_eos else self.runner.info.eos_token_ids
+        search = BeamSearch(params.num_beams, max_tokens + len(forced), eos,
+                            params.length_penalty, params.early_stopping, params.n,
+                            params.min_tokens + len(forced), forced[0] if forced else None)
+        group = BeamGroup(search, root, len(forced), params.n)
+        if forced:  # the forced step: every beam is the prompt, which holds the token
+            search.step(torch.zeros(1, self.runner.info.vocab_size))
+            group.beams = [root] * params.num_beams
+        return group
 
     def _encoder_prompt(self, prompt: str | list[int] | None) -> tuple[int, ...]:
         runner = self.runner
@@ -267,8 +294,7 @@ class Engine:
         state = self._requests.get(request_id)
         if state is None:
             return None
-        for out in state.outputs:
-            out.finish("abort")
+        state.finish("abort")
         self._retire(state)
         return state.snapshot()
 
@@ -339,8 +365,7 @@ class Engine:
         except Exception as e:
             log.exception("model step failed")
             for state in touched.values():
-                for out in state.outputs:
-                    out.finish("error", error=f"model step failed: {e}")
+                state.finish("error", error=f"model step failed: {e}")
                 self._retire(state, cache=False)
             return [s.snapshot() for s in touched.values()]
         self._postprocess(sched.scheduled, pl_seqs, logits)
@@ -356,6 +381,7 @@ class Engine:
     def _postprocess(self, scheduled, pl_seqs: set[int], logits: torch.Tensor) -> None:
         row = 0
         sample_rows, sample_seqs = [], []
+        beams: dict[str, RequestState] = {}
         forks: list[RequestState] = []
         for item in scheduled:
             seq = item.seq
@@ -367,6 +393,11 @@ class Engine:
                 row += num
             if seq.num_computed_tokens == len(seq.token_ids):
                 state = self._by_seq[seq.seq_id]
+                if state.beam is not None:
+                    state.beam.rows[seq.seq_id] = row
+                    beams[state.request_id] = state
+                    row += 1
+                    continue
                 if state.unforked and seq is state.seqs[0]:
                     forks.append(state)  # siblings sample their first token from this row
                     sample_rows += [row] * len(state.unforked)
@@ -374,6 +405,8 @@ class Engine:
                 sample_rows.append(row)
                 sample_seqs.append(seq)
                 row += 1
+        for state in beams.values():
+            self._beam_step(state, logits)
         if not sample_seqs:
             return
         result = self.sampler.sample(logits[sample_rows], sample_seqs)
@@ -390,6 +423,53 @@ class Engine:
                 out.append(token, result.logprobs[i] if result.logprobs else None)
             if out.out.finish_reason is not None:
                 self._finish_seq(seq)
+
+    def _beam_step(self, state: RequestState, logits: torch.Tensor) -> None:
+        group = state.beam
+        if not group.ready():  # a beam is behind: the others compute their token again
+            for seq in group.live:
+                if seq.seq_id in group.rows:
+                    seq.num_computed_tokens -= 1
+            group.rows.clear()
+            return
+        pairs = group.search.step(logits[group.beam_rows()])
+        group.rows.clear()
+        if group.search.done:
+            group.fill_outputs(self.tokenizer, group.search.eos_token_ids,
+                               state.params.skip_special_tokens)
+            return
+        parents, targets, appends = group.beams, {}, []
+        used = {id(parents[p]) for p, _ in pairs}
+        for seq in group.live:  # first, so that the forks below find seats, blocks, slots
+            if id(seq) not in used:
+                self._finish_seq(seq)
+                self._by_seq.pop(seq.seq_id, None)
+        for parent_row, token in pairs:
+            parent = parents[parent_row]
+            if (parent.seq_id, token) not in targets:
+                # a parent's first continuation keeps its sequence, the others fork it
+                # (before any token is appended to it)
+                taken = any(s is parent for s, _ in appends)
+                seq = self._fork_beam(state, parent) if taken else parent
+                targets[parent.seq_id, token] = seq
+                appends.append((seq, token))
+        for seq, token in appends:
+            seq.token_ids.append(token)
+        group.beams = [targets[parents[p].seq_id, t] for p, t in pairs]
+        state.seqs = group.live
+
+    def _fork_beam(self, state: RequestState, parent: Sequence) -> Sequence:
+        child = Sequence(next(self._seq_ids), parent.request_id, parent.prompt_token_ids,
+                         parent.params, parent.arrival, parent.namespace,
+                         parent.encoder_token_ids)
+        child.token_ids = list(parent.token_ids)
+        copy = self.scheduler.fork(parent, child)
+        if copy is not None:
+            copy_blocks(self.cache.kv, self.cache.kv, [copy])
+        if self.states is not None and child.status is SequenceStatus.RUNNING:
+            self.states.fork(parent, child)
+        self._by_seq[child.seq_id] = state
+        return child
 
     def _fork_siblings(self, state: RequestState) -> None:
         """The first sequence computed the prompt: its siblings take its KV (copy on write)."""

@@ -21,6 +21,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     error: str | None = None
+    score: float | None = None  # beam search: the hypothesis' length-penalized score
 
     @property
     def finished(self) -> bool:

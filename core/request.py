@@ -96,6 +96,7 @@ class RequestState:
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self.unforked: list[Sequence] = []  # siblings waiting for the first one's prompt
+        self.beam = None  # a BeamGroup for beam search (then ``outputs`` is empty)
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -104,9 +105,18 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.finished
         return all(o.out.finish_reason is not None for o in self.outputs)
 
+    def finish(self, reason: str, error: str | None = None) -> None:
+        """End every output now (an abort or a fault)."""
+        if self.beam is not None:
+            self.beam.finish(reason, error)
+        for out in self.outputs:
+            out.finish(reason, error=error)
+
     def snapshot(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt_token_ids,
-                             [o.out for o in self.outputs], self.prompt_logprobs,
+        outs = self.beam.outputs if self.beam is not None else [o.out for o in self.outputs]
+        return RequestOutput(self.request_id, self.prompt_token_ids, outs, self.prompt_logprobs,
                              self.seqs[0].num_cached_tokens or 0)

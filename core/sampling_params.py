@@ -13,6 +13,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ``logprobs`` is the number of top alternatives returned per generated token (None: no
     logprobs at all; 0: only the chosen token's); ``prompt_logprobs`` likewise per prompt token.
     Logprobs are those of the model's raw distribution (before temperature and filters).
+
+    ``num_beams > 1`` asks for beam search with transformers' ``generate`` semantics
+    (`heron.core.beam_search`): ``length_penalty``, ``early_stopping`` (True, False or
+    "never"), ``min_tokens``, ``max_tokens``; the ``n`` best hypotheses (``n <= num_beams``)
+    are the request's outputs. It is deterministic, as transformers' is without sampling:
+    temperature and the top-k/top-p/min-p filters do not apply, and penalties, stop
+    strings and logprobs are refused.
     """
 
     n: int = 1
@@ -33,6 +40,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first field out of range."""
@@ -54,3 +64,23 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"{name} is out of range: {getattr(self, name)!r}")
+        if self.num_beams < 1:
+            raise ValueError(f"num_beams is out of range: {self.num_beams!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping is out of range: {self.early_stopping!r} "
+                             "(true, false or \"never\")")
+        if self.num_beams > 1:
+            self._validate_beams()
+
+    def _validate_beams(self) -> None:
+        if self.n > self.num_beams:
+            raise ValueError(f"n is out of range: {self.n} > num_beams ({self.num_beams})")
+        unsupported = [name for name, value, plain in (
+            ("presence_penalty", self.presence_penalty, 0.0),
+            ("frequency_penalty", self.frequency_penalty, 0.0),
+            ("repetition_penalty", self.repetition_penalty, 1.0), ("stop", self.stop, []),
+            ("stop_token_ids", self.stop_token_ids, []), ("logprobs", self.logprobs, None),
+            ("prompt_logprobs", self.prompt_logprobs, None)) if value != plain]
+        if unsupported:
+            raise ValueError(f"{unsupported[0]} is not supported with beam search "
+                             f"(num_beams {self.num_beams}): leave it at its default")

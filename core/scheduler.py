@@ -5,6 +5,10 @@ for a decode); then swapped-out sequences are brought back, then waiting sequenc
 admitted, while the budget, the sequence limit and the blocks allow. An admitted sequence
 starts after the longest prefix the prefix cache holds for it.
 
+Beam search (``num_beams > 1``) runs a request's beams as a gang: admitting it reserves a
+seat for every beam (its forks never wait for one), and preempting one of its sequences
+preempts them all, so the oldest requests always hold complete gangs and progress.
+
 When blocks run out (free blocks plus cached blocks nobody uses), the newest running
 sequence is preempted: with ``preemption = "swap"`` its blocks are copied to the host pool
 (``SchedulerOutput.swap_out``) and it waits in the swapped queue with its progress kept;
@@ -193,8 +197,33 @@ class Scheduler:
 
     # -- preemption --------------------------------------------------------------------------
 
+    # -- seats -------------------------------------------------------------------------------
+
+    def _seats_used(self) -> int:
+        """Running sequences, counting each beam-search request as its ``num_beams``."""
+        gangs, plain = {}, 0
+        for s in self.running:
+            if s.params.num_beams > 1:
+                gangs[s.request_id] = s.params.num_beams
+            else:
+                plain += 1
+        return plain + sum(gangs.values())
+
+    def _has_seat(self, seq: Sequence) -> bool:
+        if seq.params.num_beams > 1 and any(s.request_id == seq.request_id
+                                            for s in self.running):
+            return True  # its request's gang holds a seat for it
+        return self._seats_used() + seq.params.num_beams <= self.max_num_seqs
+
     def _preempt_last(self, out: SchedulerOutput) -> Sequence:
-        seq = self.running.pop()
+        seq = self._preempt(self.running.pop(), out)
+        if seq.params.num_beams > 1:  # the whole gang: a partial one could only wait
+            for other in [s for s in self.running if s.request_id == seq.request_id]:
+                self.running.remove(other)
+                self._preempt(other, out)
+        return seq
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> Sequence:
         self._splits.pop(seq.seq_id, None)
         self.cache_computed(seq)
         host = self.host_pool
@@ -228,9 +257,8 @@ class Scheduler:
             if num_tokens == 0:
                 continue
             needed = self._blocks_needed(seq, num_tokens)
-            while not self._can_allocate(needed):
-                if self._preempt_last(out) is seq:
-                    break
+            while not self._can_allocate(needed) and seq.status is SequenceStatus.RUNNING:
+                self._preempt_last(out)
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.block_table += self._allocate(needed)
@@ -245,7 +273,7 @@ class Scheduler:
         return out
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.swapped and budget > 0 and self._has_seat(self.swapped[0]):
             seq = self.swapped[0]
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             needed = self._blocks_needed(seq, num_tokens)
@@ -262,7 +290,7 @@ class Scheduler:
         return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and self._has_seat(self.waiting[0]):
             seq = self.waiting[0]
             if not self._acquire_adapter(seq, out):
                 break  # every adapter slot is in use: wait for one
@@ -309,7 +337,7 @@ class Scheduler:
         """
         computed = parent.num_computed_tokens
         whole, partial = divmod(computed, self.block_size)
-        if len(self.running) >= self.max_num_seqs or not self._can_allocate(int(partial > 0)):
+        if not self._has_seat(child) or not self._can_allocate(int(partial > 0)):
             child.num_cached_tokens = 0
             self.add(child)
             return None

@@ -50,6 +50,12 @@ class StatePool:
             for t in self.states.values():
                 t[seq.state_slot].zero_()
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give ``child`` a slot holding ``parent``'s state (a beam forked from it)."""
+        child.state_slot = self.slots.allocate()
+        for t in self.states.values():
+            t[child.state_slot].copy_(t[parent.state_slot])
+
     def restore(self, seq: Sequence, snapshot: int) -> None:
         for name, t in self.states.items():
             t[seq.state_slot].copy_(self.snapshots[name][snapshot])
