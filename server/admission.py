@@ -130,6 +130,12 @@ def check_fits(app: web.Application, prompt_ids: list[int], max_tokens: int | No
                           param="max_tokens", code="context_length_exceeded")
 
 
+def beam_fields(req) -> dict:
+    """The beam-search settings a request sets (translation requests only)."""
+    return {name: value for name in ("num_beams", "length_penalty", "early_stopping")
+            if (value := getattr(req, name, None)) is not None}
+
+
 def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -141,7 +147,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
         stop=[s for s in stop if s], stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        skip_special_tokens=req.skip_special_tokens)
+        skip_special_tokens=req.skip_special_tokens, **beam_fields(req))
     try:
         params.validate()
     except ValueError as e:  # "<field> is out of range: ..."

@@ -22,7 +22,10 @@ Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 # NLLB language codes (``eng_Latn``): one for every input, or one per input
 LanguageCodes = str | list[str]
-NumBeams = Annotated[int, Meta(ge=1)]
+NumBeams = Annotated[int, Meta(ge=1, le=64)]
+# beam search stops: as soon as num_beams hypotheses end (true), when the best running one
+# cannot win any more (false), or by that test at the longest length ("never")
+EarlyStopping = bool | Literal["never"]
 
 
 class _Body(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -89,6 +92,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
     src_lang: LanguageCodes | None = None
     tgt_lang: LanguageCodes | None = None
     num_beams: NumBeams | None = None
+    length_penalty: float | None = None
+    early_stopping: EarlyStopping | None = None
 
     def unsupported_field(self) -> str | None:
         return "suffix" if self.suffix else super().unsupported_field()
@@ -104,6 +109,8 @@ class TranslationRequest(_Body, kw_only=True):
     src_lang: LanguageCodes | None = None
     tgt_lang: LanguageCodes | None = None
     num_beams: NumBeams | None = None
+    length_penalty: float | None = None
+    early_stopping: EarlyStopping | None = None
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 0.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0

@@ -24,7 +24,7 @@ from heron.server.appkeys import ASYNC_ENGINE, CONFIG, MODEL_NAME
 from heron.server.errors import bad_request
 from heron.server.protocol import CompletionRequest
 
-TRANSLATION_FIELDS = ("src_lang", "tgt_lang", "num_beams")
+TRANSLATION_FIELDS = ("src_lang", "tgt_lang", "num_beams", "length_penalty", "early_stopping")
 
 
 @dataclass
@@ -71,18 +71,14 @@ def completion_jobs(app: web.Application, req: CompletionRequest,
         raise bad_request("a translation model takes `prompt` as text: a string or a list of "
                           "strings", param="prompt")
     return texts, translation_jobs(app, texts, "prompt", req.src_lang, req.tgt_lang,
-                                   req.num_beams, max_tokens)
+                                   max_tokens)
 
 
 def translation_jobs(app: web.Application, texts: list[str], param: str,
                      src_lang: str | list[str] | None, tgt_lang: str | list[str] | None,
-                     num_beams: int | None, max_tokens: int | None) -> TranslationJobs:
+                     max_tokens: int | None) -> TranslationJobs:
     """The sources and decoder prompts of ``texts`` (the request's field ``param``), with a
-    400 naming the field for unknown or missing language codes, too long sources and
-    beam search (not served yet)."""
-    if num_beams is not None and num_beams > 1:
-        raise bad_request("num_beams > 1 is not supported yet", param="num_beams",
-                          code="unsupported_field")
+    400 naming the field for unknown or missing language codes and too long sources."""
     if not texts:
         raise bad_request(f"`{param}` must not be empty", param=param)
     runner = app[ASYNC_ENGINE].engine.runner

@@ -10,7 +10,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from heron.core.sampling_params import SamplingParams
-from heron.server.admission import check_model
+from heron.server.admission import beam_fields, check_model
 from heron.server.errors import bad_request, decode_body
 from heron.server.generation import Generation
 from heron.server.protocol import TranslationRequest
@@ -24,8 +24,7 @@ async def create_translation(request: web.Request) -> web.Response:
     req = await decode_body(request, TranslationRequest)
     adapter = check_model(app, req.model)
     texts = [req.input] if isinstance(req.input, str) else req.input
-    jobs = translation_jobs(app, texts, "input", req.src_lang, req.tgt_lang, req.num_beams,
-                            req.max_tokens)
+    jobs = translation_jobs(app, texts, "input", req.src_lang, req.tgt_lang, req.max_tokens)
     params = _sampling_params(req)
     async with Generation(request, "trans", jobs.prompts, params, adapter=adapter,
                           encoder_prompts=jobs.sources) as gen:
@@ -43,7 +42,7 @@ async def create_translation(request: web.Request) -> web.Response:
 def _sampling_params(req: TranslationRequest) -> SamplingParams:
     params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature,
                             top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
-                            repetition_penalty=req.repetition_penalty)
+                            repetition_penalty=req.repetition_penalty, **beam_fields(req))
     try:
         params.validate()
     except ValueError as e:  # "<field> is out of range: ..."

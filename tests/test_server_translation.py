@@ -59,6 +59,22 @@ def reference(nllb):
     return translate
 
 
+@pytest.fixture(scope="module")
+def beam_reference(nllb):
+    """transformers' beam search: the decoded texts of its ``n`` best hypotheses."""
+    directory, hf = nllb
+
+    def translate(text: str, src: str, tgt: str, n: int = 1, **beams) -> list[str]:
+        tok = transformers.NllbTokenizer.from_pretrained(directory, src_lang=src)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([tok(text).input_ids]), max_new_tokens=MAX_TOKENS + 1,
+                              forced_bos_token_id=tok.convert_tokens_to_ids(tgt),
+                              num_return_sequences=n, **beams)
+        return [tok.decode(row, skip_special_tokens=True) for row in out]
+
+    return translate
+
+
 def translate(server, **body):
     status, _, payload = server.http("POST", "/v1/translations",
                                      {"model": "nllb", "max_tokens": MAX_TOKENS, **body})
@@ -72,7 +88,7 @@ def test_sources_are_built_as_nllb_tokenizer_builds_them(server, nllb):
     for src in LANGS:
         hf_tok = transformers.NllbTokenizer.from_pretrained(directory, src_lang=src)
         tgt = FRA if src != FRA else DEU
-        jobs = translation_jobs(server.app, texts, "input", src, tgt, None, MAX_TOKENS)
+        jobs = translation_jobs(server.app, texts, "input", src, tgt, MAX_TOKENS)
         assert jobs.sources == [hf_tok(text).input_ids for text in texts]
         start = runner.info.extra["decoder_start_token_id"]
         assert jobs.prompts == [[start, hf_tok.convert_tokens_to_ids(tgt)]] * len(texts)
@@ -86,7 +102,7 @@ def test_completions_translate_through_the_openai_client(server, reference):
                                     temperature=0.0,
                                     extra_body={"src_lang": ENG, "tgt_lang": FRA})
     assert [c.text for c in out.choices] == [reference(t, ENG, FRA) for t in TEXTS]
-    sources = translation_jobs(server.app, TEXTS, "prompt", ENG, FRA, None, None).sources
+    sources = translation_jobs(server.app, TEXTS, "prompt", ENG, FRA, None).sources
     assert out.usage.prompt_tokens == sum(map(len, sources))
     one = client.completions.create(model="nllb", prompt=TEXTS[1], max_tokens=MAX_TOKENS,
                                     temperature=0.0,
@@ -139,8 +155,10 @@ def test_sampling_with_a_seed_repeats(server):
     ({"src_lang": ENG}, 400, "tgt_lang", "`tgt_lang` is required"),
     ({"tgt_lang": FRA}, 400, "src_lang", "`src_lang` is required"),
     ({"src_lang": [ENG, FRA], "tgt_lang": FRA}, 400, "src_lang", "2 codes for 1"),
-    ({"src_lang": ENG, "tgt_lang": FRA, "num_beams": 2}, 400, "num_beams",
-     "num_beams > 1 is not supported yet"),
+    ({"src_lang": ENG, "tgt_lang": FRA, "num_beams": 2, "early_stopping": "soon"}, 400,
+     "early_stopping", "early_stopping"),
+    ({"src_lang": ENG, "tgt_lang": FRA, "num_beams": 2, "repetition_penalty": 1.2}, 400,
+     "repetition_penalty", "not supported with beam search"),
     ({"src_lang": ENG, "tgt_lang": FRA, "num_beams": 0}, 400, "num_beams", "num_beams"),
     ({"src_lang": ENG, "tgt_lang": FRA, "input": []}, 400, "input", "must not be empty"),
     ({"src_lang": ENG, "tgt_lang": FRA, "input": "ka " * 200}, 400, "input", "at most 128"),
@@ -163,9 +181,9 @@ def test_completions_errors_on_a_translation_model(server):
         client.completions.create(model="nllb", prompt="ka to", extra_body={"src_lang": ENG})
     assert e.value.body["param"] == "tgt_lang"
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="nllb", prompt="ka to", extra_body={
+        client.completions.create(model="nllb", prompt="ka to", n=3, extra_body={
             "src_lang": ENG, "tgt_lang": FRA, "num_beams": 2})
-    assert e.value.body["param"] == "num_beams"
+    assert e.value.body["param"] == "n" and "num_beams" in e.value.message
     for extra, param in (({"echo": True}, "echo"), ({"prompt": [5, 6, 7]}, "prompt")):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(**{"model": "nllb", "prompt": "ka to", **extra,
@@ -230,3 +248,20 @@ def test_engine_is_idle_afterwards(server):
     assert m["heron_requests_running"] == 0 and m["heron_requests_waiting"] == 0
     engine = server.async_engine.engine
     assert engine.num_blocks_in_use == 0 and engine.num_state_slots_in_use == 0
+
+
+def test_beam_search_over_both_routes_matches_generate(server, beam_reference):
+    beams = {"num_beams": 4, "length_penalty": 0.6, "early_stopping": "never"}
+    langs = [(ENG, FRA), (ENG, DEU), (DEU, FRA), (ENG, FRA)]
+    status, body = translate(server, input=TEXTS, src_lang=[s for s, _ in langs],
+                             tgt_lang=[t for _, t in langs], **beams)
+    assert status == 200, body
+    want = [beam_reference(text, s, t, **beams)[0] for text, (s, t) in zip(TEXTS, langs)]
+    assert [t["text"] for t in body["translations"]] == want
+    out = server.client().completions.create(
+        model="nllb", prompt=TEXTS[2], n=2, max_tokens=MAX_TOKENS,
+        extra_body={"src_lang": ENG, "tgt_lang": FRA, "num_beams": 3, "early_stopping": True})
+    assert [c.text for c in out.choices] == beam_reference(TEXTS[2], ENG, FRA, n=2,
+                                                           num_beams=3, early_stopping=True)
+    metrics = server.wait_for(lambda m: m["heron_requests_running"] == 0)
+    assert metrics["heron_kv_blocks_in_use"] == metrics["heron_state_slots_in_use"] == 0
