@@ -3,12 +3,13 @@
 A random-weight M2M100 shaped for a CPU (6 + 6 layers, d_model 512, 8 heads, FFN 2048) with
 a tokenizer trained on made-up sentences (tests/nllb_models.py; no downloads), 64 source
 sentences of 5-30 words, ``--max-tokens`` target tokens each (random weights never pick EOS,
-so both produce exactly that many), fp32 on the CPU. heron runs every sentence
+so both produce exactly that many), fp32 on the CPU, greedy and with beam search (4
+beams; EOS ignored by both, so every beam runs to the end). heron runs every sentence
 concurrently with continuous batching; transformers runs batches of ``--batch-size``
-(padded, KV cache on). Target tokens/s for each and the ratio; JSON to
-bench/results/translation-<date>.json.
+sentences (padded, KV cache on). Target tokens/s (of the returned translations) for each
+and the ratio; JSON to bench/results/translation-<date>.json.
 
-    python -m bench.translation [--num-beams 1]
+    python -m bench.translation [--num-beams 1 4]
 """
 
 from __future__ import annotations
@@ -38,14 +39,16 @@ def sources(num: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(5, 30))) for _ in range(num)]
 
 
-def bench_heron(path: Path, tok, texts, tgt_id: int, max_tokens: int) -> dict:
+def bench_heron(path: Path, tok, texts, tgt_id: int, max_tokens: int, num_beams: int) -> dict:
     from heron.core import Engine, SamplingParams, load_config
 
     engine = Engine(load_config(None, {
         "model.path": str(path), "model.dtype": "float32", "model.device": "cpu",
-        "engine.max_num_seqs": len(texts), "engine.max_num_batched_tokens": 4096}))
+        "engine.max_num_seqs": len(texts) * num_beams,
+        "engine.max_num_batched_tokens": 4096}))
     start_id = engine.runner.model.cfg.decoder_start_token_id
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            num_beams=num_beams)
 
     def run(batch):
         for i, text in enumerate(batch):
@@ -63,10 +66,10 @@ def bench_heron(path: Path, tok, texts, tgt_id: int, max_tokens: int) -> dict:
     return {"target_tokens": num_tokens, "seconds": elapsed, "tokens_per_s": num_tokens / elapsed}
 
 
-def bench_transformers(model, tok, texts, tgt_id: int, max_tokens: int,
-                       batch_size: int) -> dict:
+def bench_transformers(model, tok, texts, tgt_id: int, max_tokens: int, batch_size: int,
+                       num_beams: int) -> dict:
     model.generation_config.eos_token_id = None  # never stop early: the same count as heron
-    kw = dict(num_beams=1, do_sample=False, forced_bos_token_id=tgt_id,
+    kw = dict(num_beams=num_beams, do_sample=False, forced_bos_token_id=tgt_id,
               min_new_tokens=max_tokens + 1, max_new_tokens=max_tokens + 1)
     with torch.inference_mode():
         model.generate(**tok(texts[:2], return_tensors="pt", padding=True), **kw)  # warm-up
@@ -87,6 +90,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--num-beams", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" /
                         f"translation-{dt.date.today().isoformat()}.json")
     args = parser.parse_args()
@@ -100,19 +104,24 @@ def main() -> int:
         tok = build_tokenizer(path)
         model = build_nllb(path, len(tok), **SHAPE)
         tgt_id = tok.convert_tokens_to_ids("fra_Latn")
-        heron = bench_heron(path, tok, texts, tgt_id, args.max_tokens)
-        hf = bench_transformers(model, tok, texts, tgt_id, args.max_tokens, args.batch_size)
-    assert heron["target_tokens"] == hf["target_tokens"], (heron, hf)
+        runs = {}
+        for beams in args.num_beams:
+            heron = bench_heron(path, tok, texts, tgt_id, args.max_tokens, beams)
+            hf = bench_transformers(model, tok, texts, tgt_id, args.max_tokens,
+                                    args.batch_size, beams)
+            assert heron["target_tokens"] == hf["target_tokens"], (heron, hf)
+            runs[beams] = {"heron": heron, "transformers": hf,
+                           "ratio": heron["tokens_per_s"] / hf["tokens_per_s"]}
+            print(f"num_beams {beams}: heron {heron['tokens_per_s']:.1f} target tok/s, "
+                  f"transformers {hf['tokens_per_s']:.1f} (batches of {args.batch_size}): "
+                  f"{runs[beams]['ratio']:.2f}x", flush=True)
     result = {"date": dt.datetime.now().isoformat(timespec="seconds"),
               "machine": platform.processor() or platform.machine(), "threads": args.threads,
               "model": {"layers": "6+6", **SHAPE, "vocab": len(tok)},
-              "sentences": args.sentences, "max_tokens": args.max_tokens, "num_beams": 1,
-              "heron": heron, "transformers": hf,
-              "ratio": heron["tokens_per_s"] / hf["tokens_per_s"]}
+              "sentences": args.sentences, "max_tokens": args.max_tokens,
+              "runs": {f"num_beams={b}": r for b, r in runs.items()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"heron {heron['tokens_per_s']:.1f} target tok/s, transformers "
-          f"{hf['tokens_per_s']:.1f} (batch {args.batch_size}): {result['ratio']:.2f}x")
     print(f"wrote {args.out}")
     return 0
 

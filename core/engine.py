@@ -467,7 +467,8 @@ class Engine:
         if copy is not None:
             copy_blocks(self.cache.kv, self.cache.kv, [copy])
         if self.states is not None and child.status is SequenceStatus.RUNNING:
-            self.states.fork(parent, child)
+            self.states.fork(parent, child, lambda src, dst: self.runner.fork_state(
+                self.cache, src, dst))
         self._by_seq[child.seq_id] = state
         return child
 

@@ -110,6 +110,13 @@ class ModelRunner(ABC):
         Called once for every `alloc_sequence` that returned something other than None.
         """
 
+    def fork_state(self, cache: CacheTensors, parent_slot: int, child_slot: int) -> None:
+        """Make ``child_slot`` hold ``parent_slot``'s state (a beam forked from a sequence
+        that has computed its tokens). The default copies every state tensor's slot; a
+        family that knows how much of a slot is in use may copy less."""
+        for t in cache.states.values():
+            t[child_slot].copy_(t[parent_slot])
+
     def lora_targets(self) -> tuple[LoraTarget, ...]:
         """The projections LoRA adapters may change; () when the family takes no adapters.
         A family that lists targets applies ``CacheTensors.lora`` to ``batch.lora_groups``

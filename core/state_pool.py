@@ -50,11 +50,11 @@ class StatePool:
             for t in self.states.values():
                 t[seq.state_slot].zero_()
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Give ``child`` a slot holding ``parent``'s state (a beam forked from it)."""
+    def fork(self, parent: Sequence, child: Sequence, copy) -> None:
+        """Give ``child`` a slot holding ``parent``'s state (a beam forked from it), copied
+        by ``copy(parent_slot, child_slot)`` (the family's `ModelRunner.fork_state`)."""
         child.state_slot = self.slots.allocate()
-        for t in self.states.values():
-            t[child.state_slot].copy_(t[parent.state_slot])
+        copy(parent.state_slot, child.state_slot)
 
     def restore(self, seq: Sequence, snapshot: int) -> None:
         for name, t in self.states.items():

@@ -37,6 +37,13 @@ class NllbRunner(ModelRunner):
     def bind_cache(self, cache: CacheTensors) -> None:
         self.cache = cache
 
+    def fork_state(self, cache: CacheTensors, parent_slot: int, child_slot: int) -> None:
+        # only the source's rows: a slot is sized for the longest source
+        cross, lengths = cache.states["cross_kv"], cache.states["cross_len"]
+        length = int(lengths[parent_slot, 0])
+        cross[child_slot, :, :, :length].copy_(cross[parent_slot, :, :, :length])
+        lengths[child_slot].copy_(lengths[parent_slot])
+
     def _batched_cross_attention(self, slots: list[int], sources: list[int], scale: float):
         """Cross-attention for one query row per sequence, in one call per layer over the
         slot tensor itself (no gather): queries go to their sequences' slots, and the slots
