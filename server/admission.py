@@ -148,6 +148,11 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
         ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens, **beam_fields(req))
+    return validated(params)
+
+
+def validated(params: SamplingParams) -> SamplingParams:
+    """``params``, or a 400 naming the field `SamplingParams.validate` refused."""
     try:
         params.validate()
     except ValueError as e:  # "<field> is out of range: ..."

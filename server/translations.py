@@ -10,8 +10,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from heron.core.sampling_params import SamplingParams
-from heron.server.admission import beam_fields, check_model
-from heron.server.errors import bad_request, decode_body
+from heron.server.admission import beam_fields, check_model, validated
+from heron.server.errors import decode_body
 from heron.server.generation import Generation
 from heron.server.protocol import TranslationRequest
 from heron.server.responses import Translation, TranslationResponse, api_finish_reason, encode
@@ -43,8 +43,4 @@ def _sampling_params(req: TranslationRequest) -> SamplingParams:
     params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature,
                             top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
                             repetition_penalty=req.repetition_penalty, **beam_fields(req))
-    try:
-        params.validate()
-    except ValueError as e:  # "<field> is out of range: ..."
-        raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from None
-    return params
+    return validated(params)
