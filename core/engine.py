@@ -178,7 +178,8 @@ class Engine:
 
         An encoder-decoder model (``runner.is_encoder_decoder``) needs ``encoder_prompt``
         (the source: text or token ids) beside the decoder ``prompt``; other models refuse
-        one.
+        one. ``params.num_beams > 1`` runs a beam search (`heron.core.beams`): the outputs
+        are its ``n`` best hypotheses, reported once it is done.
 
         Requests share prefix-cache blocks only with requests of the same ``tenant`` and
         ``adapter`` (a loaded LoRA adapter's name; None: the base model). With ``n > 1`` the
