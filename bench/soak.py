@@ -38,7 +38,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.compare import ROOT, free_port
+from bench.compare import ROOT, free_port, wait_ready
 
 PREFIXES = [
     "You are a careful assistant. Answer in one short sentence, and never guess. ",
@@ -303,21 +303,6 @@ def wait_drained(url: str, timeout_s: float) -> dict[str, float]:
         time.sleep(0.5)
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} while starting")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server not healthy after {timeout_s:.0f} s")
-
-
 def server_command(model: Path, port: int, args) -> list[str]:
     settings = {
         "model.dtype": '"float32"', "model.device": '"cpu"',
@@ -406,7 +391,7 @@ def main() -> int:
             proc = subprocess.Popen(server_command(model, port, args), stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            wait_healthy(url, proc, 120)
+            wait_ready(url, proc, 120)
             print(f"server pid {proc.pid} on {url}; log {log_path}", flush=True)
             tally, samples, duration = asyncio.run(drive(url, proc.pid, args))
             gauges = wait_drained(url, 30) if proc.poll() is None else {}

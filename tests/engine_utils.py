@@ -8,6 +8,7 @@ import torch
 
 from heron.core.config import load_config
 from heron.core.engine import Engine
+from heron.core.outputs import RequestOutput
 
 
 def make_engine(path, **overrides) -> Engine:
@@ -60,6 +61,16 @@ def run_one(engine: Engine, prompt, params, **kw):
 
 
 _ids = itertools.count()
+
+
+def run_to_end(engine: Engine) -> dict[str, RequestOutput]:
+    """Step until no request is left; the final output of each, by request id."""
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
 
 
 def relative_logit_error(mine: torch.Tensor, ref: torch.Tensor) -> float:

@@ -57,6 +57,20 @@ def build_tokenizer(directory: Path) -> transformers.NllbTokenizer:
     return tok
 
 
+def heron_model(directory: Path):
+    """heron's NLLB math (the reference `NllbModel`) on the checkpoint saved in
+    ``directory``, float32 on the CPU."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from heron.plugins.nllb.config import M2M100Config
+    from heron.plugins.nllb.model import NllbModel
+    cfg = M2M100Config.from_hf(json.loads((directory / "config.json").read_text()))
+    return NllbModel(cfg, load_file(directory / "model.safetensors"), torch.device("cpu"),
+                     torch.float32)
+
+
 def build_nllb(directory: Path, vocab_size: int, seed: int = 0, std: float = 0.15, **config):
     """Save a tiny M2M100 (2 + 2 layers, d_model 64) with weights normal(0, ``std``);
     return it in eval mode. ``config`` overrides entries of the M2M100Config.

@@ -5,16 +5,13 @@ must return transformers' sequences token for token and its ``sequences_scores``
 from __future__ import annotations
 
 import itertools
-import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from heron.core.beam_search import BeamSearch
-from heron.plugins.nllb.config import M2M100Config
 from heron.plugins.nllb.model import NllbModel, SequenceKV
-from tests.nllb_models import build_nllb, build_tokenizer, corpus
+from tests.nllb_models import build_nllb, build_tokenizer, corpus, heron_model
 
 pytest.importorskip("sentencepiece")
 
@@ -30,9 +27,7 @@ def tiny(tmp_path_factory):
     directory = tmp_path_factory.mktemp("nllb")
     tok = build_tokenizer(directory)
     hf = build_nllb(directory, len(tok))
-    cfg = M2M100Config.from_hf(json.loads((directory / "config.json").read_text()))
-    ours = NllbModel(cfg, load_file(directory / "model.safetensors"), torch.device("cpu"),
-                     torch.float32)
+    ours = heron_model(directory)
     words = " ".join(corpus(8, seed=1)).split()
     sources = [torch.tensor(tok(" ".join(words[:n])).input_ids) for n in NUM_WORDS]
     return hf, ours, sources, tok.convert_tokens_to_ids("fra_Latn")

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from heron.core import Engine, SamplingParams, load_config
-from tests.engine_utils import assert_no_leaks
+from tests.engine_utils import assert_no_leaks, run_to_end
 from tests.fault_plugin import ALLOC, NAN, RAISE, plugins
 from tests.hybrid_models import build_hybrid
 from tests.lora_models import build_adapter
@@ -38,12 +38,7 @@ def run_all(engine: Engine, requests: dict[str, tuple[list[int], dict]]) -> dict
     """Add every request, step to the end; the final output of each."""
     for rid, (prompt, kw) in requests.items():
         engine.add_request(rid, prompt, GREEDY, **kw)
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
+    return run_to_end(engine)
 
 
 def finish(out) -> tuple[str, str | None]:

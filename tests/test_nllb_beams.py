@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from heron.core import SamplingParams
-from tests.engine_utils import assert_no_leaks, make_engine
+from tests.engine_utils import assert_no_leaks, make_engine, run_to_end
 from tests.nllb_models import build_nllb, build_tokenizer, corpus
 
 MAX_NEW_TOKENS = 20  # transformers' count: the forced target language is the first
@@ -49,12 +49,7 @@ def run(engine, sources, fra, keys):
                                 max_tokens=MAX_NEW_TOKENS - 1, temperature=0.0)
         engine.add_request(repr((b, lp, es, n, i)), [start, fra], params,
                            encoder_prompt=sources[i])
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
+    return run_to_end(engine)
 
 
 def check(done, refs, keys) -> float:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from heron.core import SamplingParams
-from tests.engine_utils import LogitsRecorder, assert_no_leaks, make_engine
+from tests.engine_utils import LogitsRecorder, assert_no_leaks, make_engine, run_to_end
 from tests.nllb_models import build_nllb, build_tokenizer, corpus
 from tests.tiny_models import build_tiny
 
@@ -43,11 +43,7 @@ def translate(engine, tok, jobs):
     for i, (src, lang) in enumerate(jobs):
         engine.add_request(f"t{i}", [start, tok.convert_tokens_to_ids(lang)], params,
                            encoder_prompt=src)
-    outs = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out
+    outs = run_to_end(engine)
     return [outs[f"t{i}"] for i in range(len(jobs))], recorder
 
 

@@ -3,15 +3,12 @@ logits (one prefill and token by token through the caches) and greedy translatio
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from heron.plugins.nllb.config import M2M100Config
 from heron.plugins.nllb.model import NllbModel, SequenceKV
-from tests.nllb_models import build_nllb, build_tokenizer, corpus
+from tests.nllb_models import build_nllb, build_tokenizer, corpus, heron_model
 
 pytest.importorskip("sentencepiece")
 
@@ -31,9 +28,7 @@ def tiny(tmp_path_factory):
     directory = tmp_path_factory.mktemp("nllb")
     tok = build_tokenizer(directory)
     hf = build_nllb(directory, len(tok))
-    cfg = M2M100Config.from_hf(json.loads((directory / "config.json").read_text()))
-    ours = NllbModel(cfg, load_file(directory / "model.safetensors"), torch.device("cpu"),
-                     torch.float32)
+    ours = heron_model(directory)
     return tok, hf, ours, _sources(tok)
 
 
@@ -117,9 +112,8 @@ def test_tied_unscaled_variant_matches_transformers(tmp_path):
     """tie_word_embeddings: one table (`model.shared`) for both stacks and lm_head;
     scale_embedding off."""
     hf = build_nllb(tmp_path, 64, seed=1, tie_word_embeddings=True, scale_embedding=False)
-    cfg = M2M100Config.from_hf(json.loads((tmp_path / "config.json").read_text()))
-    ours = NllbModel(cfg, load_file(tmp_path / "model.safetensors"), torch.device("cpu"),
-                     torch.float32)
+    ours = heron_model(tmp_path)
+    cfg = ours.cfg
     assert cfg.tie_word_embeddings and cfg.embed_scale == 1.0 and ours.unused_tensors == []
     src, tgt = torch.tensor([5, 9, 33, 7, 2]), torch.tensor([2, 40, 11, 12, 13])
     with torch.no_grad():

@@ -82,7 +82,7 @@ class NllbRunner(ModelRunner):
                     cross[slot, i, 0, :len(source)] = k
                     cross[slot, i, 1, :len(source)] = v
                 lengths[slot, 0] = len(source)
-        sources = [int(lengths[slot, 0]) for slot in slots]
+        sources = lengths[batch.state_slots, 0].tolist()
         starts = batch.attn.query_start_loc.tolist()
         scale = cfg.decoder_head_dim ** -0.5
 
