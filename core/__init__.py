@@ -4,7 +4,7 @@ Everything a model-family plugin needs is exported here and by `heron.core.ops` 
 ops, with their CUDA kernels and the kernel launcher); plugins import nothing else.
 """
 
-from heron.core.batch import AttentionMetadata, Batch
+from heron.core.batch import AttentionMetadata, Batch, EncoderChunk
 from heron.core.cache_spec import CacheSpec, CacheTensors, KVCacheSpec, StateSpec
 from heron.core.checkpoint import load_safetensors
 from heron.core.config import Config, ConfigError, EngineConfig, ModelConfig, load_config
@@ -17,8 +17,8 @@ from heron.core.sequence import Sequence, SequenceStatus
 from heron.core.tokenizer import Tokenizer
 
 __all__ = [
-    "AttentionMetadata", "Batch", "CacheSpec", "CacheTensors", "Config", "ConfigError", "Engine",
-    "EngineConfig", "FamilySpec", "KVCacheSpec", "LoadedModel", "ModelConfig", "ModelInfo",
+    "AttentionMetadata", "Batch", "CacheSpec", "CacheTensors", "Config", "ConfigError",
+    "EncoderChunk", "Engine", "EngineConfig", "FamilySpec", "KVCacheSpec", "LoadedModel", "ModelConfig", "ModelInfo",
     "ModelRunner", "PluginError", "PluginManager", "SamplingParams", "Sequence",
     "SequenceStatus", "StateSpec", "Tokenizer", "hookimpl", "hookspec", "load_config",
     "load_safetensors",

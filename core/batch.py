@@ -54,6 +54,17 @@ class AttentionMetadata:
 
 
 @dataclass
+class EncoderChunk:
+    """Encoder stages ``[start, end)`` of one sequence, run this step before the decoder
+    batch; ``slot`` is the sequence's state slot, where its encoder's output goes."""
+
+    seq: "Sequence"
+    slot: int
+    start: int
+    end: int
+
+
+@dataclass
 class Batch:
     """One engine step's work, as a flat token batch.
 

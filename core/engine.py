@@ -12,6 +12,7 @@ import logging
 import torch
 
 from heron.core.adapter_pool import AdapterPool
+from heron.core.batch import EncoderChunk
 from heron.core.batch_builder import BatchBuilder
 from heron.core.beam_search import BeamSearch
 from heron.core.beams import BeamGroup
@@ -105,7 +106,9 @@ class Engine:
         self.scheduler = Scheduler(engine, self.block_pool, self.prefix_cache, host_pool,
                                    cache_cfg.snapshot_admission,
                                    cache_generated=self.runner.generated_matches_prompt,
-                                   adapter_pool=self.adapter_pool)
+                                   adapter_pool=self.adapter_pool,
+                                   encoder_stages=(self.runner.encoder_stages
+                                                   if self.runner.is_encoder_decoder else 0))
         self.sampler = Sampler(info.eos_token_ids)
         self.batch_builder = BatchBuilder(engine.block_size, self.device)
         self.graphs = None
@@ -346,38 +349,57 @@ class Engine:
             self._load_adapter_slot(key, slot)
         touched: dict[str, RequestState] = {}
         pl_seqs: set[int] = set()
-        for item in sched.scheduled:
+        # sequences that only run encoder stages this step have no rows and no output yet
+        decoding = [item for item in sched.scheduled if item.num_tokens]
+        for item in decoding:
             state = self._by_seq[item.seq.seq_id]
             touched[state.request_id] = state
             if state.needs_prompt_logprobs:
                 pl_seqs.add(item.seq.seq_id)
-        batch = self.batch_builder.build(sched.scheduled, pl_seqs)
+        batch = self.batch_builder.build(decoding, pl_seqs) if decoding else None
         for state in touched.values():
             for out in state.outputs:
                 out.begin_step()
+        encoding = [item for item in sched.scheduled if item.encoder_stages]
         try:  # the family's code: a fault here fails only this step's requests
             for item in sched.scheduled:
                 if item.seq.family_state is None:
                     item.seq.family_state = self.runner.alloc_sequence(item.seq)
+            if encoding:
+                self._run_encoder(encoding)
+            if batch is None:
+                return []
             if self.graphs is not None and not batch.lora_groups and self.graphs.can_run(batch):
                 logits = self.graphs.run(batch)
             else:
                 logits = self.runner.forward(batch)
         except Exception as e:
             log.exception("model step failed")
+            for item in encoding:
+                touched.setdefault(item.seq.request_id, self._by_seq[item.seq.seq_id])
             for state in touched.values():
                 state.finish("error", error=f"model step failed: {e}")
                 self._retire(state, cache=False)
             return [s.snapshot() for s in touched.values()]
-        self._postprocess(sched.scheduled, pl_seqs, logits)
-        self._cache_new_blocks(sched.scheduled)
-        self._checkpoint_states(sched.scheduled)
+        self._postprocess(decoding, pl_seqs, logits)
+        self._cache_new_blocks(decoding)
+        self._checkpoint_states(decoding)
         outputs = []
         for state in touched.values():
             if state.finished:
                 self._retire(state)
             outputs.append(state.snapshot())
         return outputs
+
+    def _run_encoder(self, encoding) -> None:
+        chunks = []
+        for item in encoding:
+            seq = item.seq
+            start = seq.encoder_stages_done
+            chunks.append(EncoderChunk(seq, seq.state_slot, start, start + item.encoder_stages))
+        self.runner.encode(chunks)
+        for chunk in chunks:
+            chunk.seq.encoder_stages_done = chunk.end
 
     def _postprocess(self, scheduled, pl_seqs: set[int], logits: torch.Tensor) -> None:
         row = 0

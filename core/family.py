@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from heron.core.batch import Batch
+from heron.core.batch import Batch, EncoderChunk
 from heron.core.cache_spec import CacheSpec, CacheTensors
 from heron.core.lora import LoraTarget
 from heron.core.sequence import Sequence
@@ -86,6 +86,10 @@ class ModelRunner(ABC):
     #: are the decoder's; the prefix cache is off (it does not key KV by the source).
     is_encoder_decoder: bool = False
     max_encoder_len: int = 0
+    #: An encoder-decoder's encoder runs as this many stages (its layers, say), each over a
+    #: whole source; the scheduler charges a stage ``len(source) / encoder_stages`` tokens
+    #: of a step's budget, so a long source's encoder spreads over several steps.
+    encoder_stages: int = 1
 
     @abstractmethod
     def cache_spec(self) -> CacheSpec:
@@ -127,6 +131,13 @@ class ModelRunner(ABC):
         """Approximate compute of a prefill of ``num_tokens`` tokens (``flop_aware``
         eviction of state snapshots weighs it); None when the family does not say."""
         return None
+
+    def encode(self, chunks: list[EncoderChunk]) -> None:
+        """Run encoder stages (encoder-decoders only), before the step's `forward`. A chunk
+        ending at `encoder_stages` must leave in its slot whatever the decoder reads of the
+        source; one ending earlier keeps its progress in its slot for the next step's. A
+        sequence's decoder rows are never scheduled before its last stage has run."""
+        raise NotImplementedError(f"{type(self).__name__} has no encoder")
 
     @abstractmethod
     def forward(self, batch: Batch) -> torch.Tensor:

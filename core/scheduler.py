@@ -9,6 +9,15 @@ Beam search (``num_beams > 1``) runs a request's beams as a gang: admitting it r
 seat for every beam (its forks never wait for one), and preempting one of its sequences
 preempts them all, so the oldest requests always hold complete gangs and progress.
 
+An encoder-decoder's sequence first runs its encoder, in stages (`ModelRunner.encode`): a
+stage over a source of S tokens costs S / ``encoder_stages`` tokens of the budget, so a long
+source's encoder spreads over steps and never stalls running decodes for a whole encoder.
+A sequence is admitted when its next stage fits the budget left (or the step is empty, or
+one stage is larger than a whole budget); once admitted, it runs at least one stage every
+step (the budget may be exceeded by that stage), so decodes that take the budget first
+cannot starve it. Its decoder rows may join
+the step that runs its last stage.
+
 When blocks run out (free blocks plus cached blocks nobody uses), the newest running
 sequence is preempted: with ``preemption = "swap"`` its blocks are copied to the host pool
 (``SchedulerOutput.swap_out``) and it waits in the swapped queue with its progress kept;
@@ -41,6 +50,7 @@ from heron.core.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens of this sequence computed this step (the query length)
+    encoder_stages: int = 0  # encoder stages run this step, before its tokens (if any)
 
 
 @dataclass
@@ -69,9 +79,10 @@ class Scheduler:
                  prefix_cache: PrefixCache | None = None,
                  host_pool: BlockPool | None = None,
                  snapshot_admission: str = "marconi", *, cache_generated: bool = True,
-                 adapter_pool: AdapterPool | None = None) -> None:
+                 adapter_pool: AdapterPool | None = None, encoder_stages: int = 0) -> None:
         """``cache_generated``: whether generated tokens' KV and states may be cached (False
-        for a family that computes them differently from prompt tokens)."""
+        for a family that computes them differently from prompt tokens). ``encoder_stages``:
+        the stages of an encoder-decoder's encoder (0: the model has no encoder)."""
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -83,6 +94,7 @@ class Scheduler:
         self.snapshot_admission = snapshot_admission
         self.cache_generated = cache_generated
         self.adapter_pool = adapter_pool
+        self.encoder_stages = encoder_stages
         self._splits: dict[int, dict[int, bool]] = {}  # seq id -> {position: commit?}
         self.waiting: deque[Sequence] = deque()
         self.swapped: deque[Sequence] = deque()
@@ -195,6 +207,36 @@ class Scheduler:
             planned = self.snapshot_admission == "every_block"
         return "commit" if planned else "pending"
 
+    # -- encoders ----------------------------------------------------------------------------
+
+    def _encoder_left(self, seq: Sequence) -> int:
+        return self.encoder_stages - seq.encoder_stages_done if self.encoder_stages else 0
+
+    def _encoder_plan(self, seq: Sequence, budget: int) -> tuple[int, int]:
+        """``(stages, cost)``: the encoder stages of ``seq`` to run this step within
+        ``budget`` tokens, and their cost; at least one stage for a running sequence, in an
+        empty step, or when one stage would never fit a budget."""
+        left = self._encoder_left(seq)
+        if not left:
+            return 0, 0
+        length, total = len(seq.encoder_token_ids), self.encoder_stages
+        stages = min(left, budget * total // length)
+        limit = self.max_num_batched_tokens
+        if stages == 0 and (seq.status is SequenceStatus.RUNNING or budget == limit
+                            or -(-length // total) > limit):
+            stages = 1
+        return stages, min(budget, -(-length * stages // total))
+
+    def _decoder_tokens(self, seq: Sequence, stages: int, budget: int) -> int:
+        """Decoder tokens of ``seq`` to run after ``stages`` encoder stages: none until its
+        encoder is done, then its next chunk (whole without chunked prefill)."""
+        if stages < self._encoder_left(seq):
+            return 0
+        num_tokens = seq.num_uncomputed_tokens
+        if num_tokens > budget:
+            num_tokens = budget if self.chunked_prefill or seq.status is SequenceStatus.RUNNING else 0
+        return num_tokens
+
     # -- preemption --------------------------------------------------------------------------
 
     # -- seats -------------------------------------------------------------------------------
@@ -236,7 +278,7 @@ class Scheduler:
         else:
             self._release(seq)
             self._release_adapter(seq)
-            seq.num_computed_tokens = 0
+            seq.num_computed_tokens = seq.encoder_stages_done = 0  # the engine frees its slot
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
         out.preempted.append(seq)
@@ -249,12 +291,13 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         for seq in list(self.running):
-            if budget == 0:
-                break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_tokens = self._chunk(seq, min(seq.num_uncomputed_tokens, budget))
-            if num_tokens == 0:
+            if budget == 0 and not self._encoder_left(seq):
+                continue
+            stages, cost = self._encoder_plan(seq, budget)
+            num_tokens = self._chunk(seq, self._decoder_tokens(seq, stages, budget - cost))
+            if num_tokens == 0 and stages == 0:
                 continue
             needed = self._blocks_needed(seq, num_tokens)
             while not self._can_allocate(needed) and seq.status is SequenceStatus.RUNNING:
@@ -262,8 +305,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.block_table += self._allocate(needed)
-            out.scheduled.append(ScheduledSeq(seq, num_tokens))
-            budget -= num_tokens
+            out.scheduled.append(ScheduledSeq(seq, num_tokens, stages))
+            budget -= cost + num_tokens
         if out.preempted:
             return out  # bringing others in now would only preempt again
         budget = self._swap_in(out, budget)
@@ -295,11 +338,15 @@ class Scheduler:
             if not self._acquire_adapter(seq, out):
                 break  # every adapter slot is in use: wait for one
             found = self._match(seq)
+            stages, cost = self._encoder_plan(seq, budget)
             num_tokens = seq.num_uncomputed_tokens
-            if num_tokens > budget and self.chunked_prefill:
+            if self._encoder_left(seq):
+                num_tokens = self._decoder_tokens(seq, stages, budget - cost)
+            elif num_tokens > budget and self.chunked_prefill:
                 num_tokens = budget
             needed = self._blocks_needed(seq, num_tokens)
-            if num_tokens > budget or not self._can_allocate(needed):
+            if (num_tokens + cost > budget or not self._can_allocate(needed)
+                    or self._encoder_left(seq) and not stages):
                 self._release(seq)  # what the lookup took (the retry looks up afresh)
                 self._release_adapter(seq)
                 seq.num_computed_tokens = 0
@@ -318,13 +365,14 @@ class Scheduler:
                 num_tokens = self._chunk(seq, num_tokens)
                 needed = self._blocks_needed(seq, num_tokens)
             seq.block_table += self._allocate(needed)
-            self._run(seq, num_tokens, out)
-            budget -= num_tokens
+            self._run(seq, num_tokens, out, stages)
+            budget -= cost + num_tokens
 
-    def _run(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> None:
+    def _run(self, seq: Sequence, num_tokens: int, out: SchedulerOutput,
+             encoder_stages: int = 0) -> None:
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=_age)
-        out.scheduled.append(ScheduledSeq(seq, num_tokens))
+        out.scheduled.append(ScheduledSeq(seq, num_tokens, encoder_stages))
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """Give ``child`` (a sibling of ``parent`` with the same prompt, not yet scheduled)
@@ -348,6 +396,7 @@ class Scheduler:
             copy = (parent.block_table[whole], self._allocate(1)[0])
             child.block_table.append(copy[1])
         child.num_computed_tokens = computed
+        child.encoder_stages_done = parent.encoder_stages_done
         child.num_cached_tokens = parent.num_cached_tokens
         child.status = SequenceStatus.RUNNING
         bisect.insort(self.running, child, key=_age)

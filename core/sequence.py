@@ -28,7 +28,8 @@ class Sequence:
     ``host_block_table`` holds its KV while it is swapped out. ``state_slot`` indexes the
     family's per-sequence state tensors (families that declare states) while it runs.
     ``encoder_token_ids`` is an encoder-decoder model's source (the decoder's input is
-    ``token_ids``).
+    ``token_ids``); ``encoder_stages_done`` counts the stages of its encoder that have run
+    (the scheduler spreads a long source's over steps; recompute resets it to zero).
     ``family_state`` is whatever the model family's ``alloc_sequence`` returned; the engine
     never looks inside it.
     """
@@ -37,7 +38,7 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_table", "status", "params", "arrival", "family_state", "generator",
         "namespace", "num_cached_tokens", "host_block_table", "state_slot", "lora_slot",
-        "encoder_token_ids",
+        "encoder_token_ids", "encoder_stages_done",
     )
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
@@ -61,6 +62,7 @@ class Sequence:
         self.state_slot: int | None = None  # the engine's state slot while it runs
         self.lora_slot: int | None = None  # its adapter's slot while it runs (namespace.adapter)
         self.encoder_token_ids = encoder_token_ids  # an encoder-decoder's source; () otherwise
+        self.encoder_stages_done = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

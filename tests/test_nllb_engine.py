@@ -5,6 +5,7 @@ languages) in one batch, against transformers' greedy `generate`."""
 from __future__ import annotations
 
 import pytest
+import transformers
 import torch
 
 from heron.core import SamplingParams
@@ -83,3 +84,49 @@ def test_encoder_prompts_are_required_exactly_where_there_is_an_encoder(tiny, tm
     build_tiny("llama", tmp_path)
     with pytest.raises(ValueError, match="no encoder"):
         make_engine(tmp_path).add_request("x", [5, 6], SamplingParams(), encoder_prompt=[5])
+
+
+def test_a_long_source_encodes_over_steps_while_others_decode(tiny):
+    """Budget 16: a 100-token source's two encoder layers cost 50 tokens each, so its
+    encoder runs a layer per step while the translations already running keep decoding."""
+    directory, tok, jobs, _ = tiny
+    words = " ".join(corpus(40, seed=3)).split()
+    tok.src_lang = "eng_Latn"
+    source = tok(" ".join(words[:200])).input_ids[:99] + [tok.eos_token_id]
+    lang = tok.convert_tokens_to_ids("deu_Latn")
+    hf = transformers.M2M100ForConditionalGeneration.from_pretrained(directory).eval()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([source]), num_beams=1, do_sample=False,
+                          forced_bos_token_id=lang, max_new_tokens=MAX_NEW_TOKENS,
+                          output_logits=True, return_dict_in_generate=True)
+    engine = make_engine(directory, **{"engine.max_num_batched_tokens": 16})
+    recorder = LogitsRecorder(engine)
+    chunks, encode = [], engine.runner.encode
+    engine.runner.encode = lambda batch: (chunks.append(
+        [(c.seq.request_id, c.start, c.end) for c in batch]), encode(batch))[1]
+    params = SamplingParams(max_tokens=MAX_NEW_TOKENS - 1, temperature=0.0)
+    start = engine.runner.model.cfg.decoder_start_token_id
+    for i, (src, target) in enumerate(jobs[:2]):
+        engine.add_request(f"t{i}", [start, tok.convert_tokens_to_ids(target)], params,
+                           encoder_prompt=src)
+    while len([o for o in engine.step() if o.outputs[0].token_ids]) < 2:
+        pass  # until both decode
+    engine.add_request("long", [start, lang], params, encoder_prompt=source)
+    steps, done = [], {}
+    while engine.has_unfinished():
+        chunks.append(None)  # marks a step
+        outs = engine.step()
+        steps.append({o.request_id for o in outs if o.outputs[0].token_ids})
+        done.update({o.request_id: o for o in outs if o.finished})
+    per_step = " ".join(str(c) for c in chunks).split("None")[1:]
+    long_steps = [i for i, text in enumerate(per_step) if "'long'" in text]
+    assert long_steps == [0, 1]  # one encoder layer in each of two steps
+    assert {"t0", "t1"} <= steps[0] and {"t0", "t1"} <= steps[1]  # nobody stalled
+    assert "long" not in steps[0]
+    out = done["long"]
+    tokens = out.prompt_token_ids + out.outputs[0].token_ids
+    assert tokens == ref.sequences[0].tolist()
+    mine = torch.stack([recorder.rows[("long", pos)] for pos in range(1, len(tokens) - 1)])
+    assert (mine - torch.cat(ref.logits)[1:]).abs().max().item() <= 1e-4
+    assert engine.num_state_slots_in_use == 0
+    assert_no_leaks(engine)

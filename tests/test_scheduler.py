@@ -106,3 +106,57 @@ def test_a_failed_admission_releases_what_its_lookup_took():
     assert [(x.seq, x.num_tokens) for x in out.scheduled] == [(s, 12)]
     assert s.block_table[:2] == prefix and s.num_cached_tokens == 8
     assert (sched.prefix_queried_tokens, sched.prefix_hit_tokens) == (20, 8)
+
+
+def test_encoders_are_charged_per_stage_and_spread_over_steps():
+    """budget 16, 4 encoder stages: a 40-token source's stage costs 10 tokens."""
+    cfg = EngineConfig(block_size=4, max_num_batched_tokens=16)
+    sched = Scheduler(cfg, BlockPool(100), encoder_stages=4)
+
+    def source_seq(i, length):
+        return Sequence(i, f"r{i}", [2, 7], SamplingParams(), i,
+                        encoder_token_ids=tuple(range(length)))
+
+    def step():
+        out = sched.schedule()
+        for item in out.scheduled:
+            item.seq.encoder_stages_done += item.encoder_stages
+        advance(out)
+        return [(s.seq.seq_id, s.encoder_stages, s.num_tokens) for s in out.scheduled]
+
+    short, long, late = source_seq(0, 8), source_seq(1, 40), source_seq(2, 12)
+    for s in (short, long, late):
+        sched.add(s)
+    # short: 4 stages cost 8, then its 2 decoder tokens; long: one stage (10) does not fit
+    # the 6 left, so it waits, and so does everything behind it (FCFS)
+    assert step() == [(0, 4, 2)]
+    # long is admitted with one stage (10 of the 15 left); late's first stage (3) fits
+    assert step() == [(0, 0, 1), (1, 1, 0), (2, 1, 0)]
+    # running encoders progress every step, decodes first: 16 - 1 = 15 → long takes one
+    # stage (10), late one stage (3 of the 5 left)
+    assert step() == [(0, 0, 1), (1, 1, 0), (2, 1, 0)]
+    # a running encoder runs a stage even when the budget is spent
+    sched.max_num_batched_tokens = 11
+    assert step() == [(0, 0, 1), (1, 1, 0), (2, 1, 0)]
+    sched.max_num_batched_tokens = 16
+    # long's last stage (10) and its decoder prompt (2); late's last stage takes the last
+    # 3, its decoder tokens wait a step
+    assert step() == [(0, 0, 1), (1, 1, 2), (2, 1, 0)]
+    assert step() == [(0, 0, 1), (1, 0, 1), (2, 0, 2)]
+    assert (long.encoder_stages_done, late.encoder_stages_done) == (4, 4)
+
+
+def test_a_preempted_encoder_decoder_sequence_encodes_again():
+    cfg = EngineConfig(block_size=4, max_num_batched_tokens=64)
+    sched = Scheduler(cfg, BlockPool(1), encoder_stages=2)
+    a = Sequence(0, "r0", [2, 7], SamplingParams(), 0, encoder_token_ids=(5, 6, 7))
+    b = Sequence(1, "r1", [2, 7], SamplingParams(), 1, encoder_token_ids=(5, 6))
+    sched.add(a)
+    out = sched.schedule()
+    assert [(s.encoder_stages, s.num_tokens) for s in out.scheduled] == [(2, 2)]
+    a.encoder_stages_done = 2
+    advance(out)
+    sched.add(b)
+    a.token_ids += [1, 1, 1]  # its block is full: the next token needs a second block
+    out = sched.schedule()
+    assert out.preempted == [a] and a.encoder_stages_done == 0 and a.num_computed_tokens == 0

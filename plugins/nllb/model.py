@@ -27,6 +27,7 @@ from heron.plugins.transformer.model import Weights
 KVPair = tuple[torch.Tensor, torch.Tensor]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 CrossAttentionFn = Callable[[int, torch.Tensor], torch.Tensor]
+EncoderAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -198,19 +199,34 @@ class NllbModel:
         """The decoder's input ``[T, d_model]`` for target tokens at 0-based positions."""
         return self._embed(self.decoder_embed, ids, positions)
 
+    def embed_source_tokens(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The encoder's input ``[S, d_model]`` for source tokens at 0-based positions."""
+        return self._embed(self.encoder_embed, ids, positions)
+
+    def encoder_layer(self, i: int, x: torch.Tensor, attention: EncoderAttentionFn) -> torch.Tensor:
+        """Encoder layer ``i`` over ``x [N, d_model]`` (rows of one or more sources), which
+        gets its attention output ``[N, heads * head_dim]`` from ``attention(q, k, v)``
+        (``[N, heads, head_dim]`` each, q unscaled; each source's rows see its own rows)."""
+        cfg, layer = self.cfg, self.encoder_layers[i]
+        h = layer_norm(x, layer.attn_norm, cfg.layer_norm_eps)
+        q, k, v = layer.qkv(h).view(h.shape[0], 3, cfg.num_encoder_heads,
+                                    cfg.encoder_head_dim).unbind(1)
+        x = x + layer.attn_out(attention(q, k, v))
+        return x + ffn(layer_norm(x, layer.ffn_norm, cfg.layer_norm_eps), layer)
+
+    def encoder_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The encoder's output from its last layer's ``x``."""
+        return layer_norm(x, self.encoder_norm, self.cfg.layer_norm_eps)
+
     def encode(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Encoder output ``[S, d_model]`` for one unpadded source ``input_ids [S]``
         (NLLB: ``[src_lang, ..., eos]``)."""
-        cfg = self.cfg
-        heads, head_dim = cfg.num_encoder_heads, cfg.encoder_head_dim
+        scale = self.cfg.encoder_head_dim ** -0.5
         positions = torch.arange(input_ids.shape[0], device=input_ids.device)
-        x = self._embed(self.encoder_embed, input_ids, positions)
-        for layer in self.encoder_layers:
-            h = layer_norm(x, layer.attn_norm, cfg.layer_norm_eps)
-            q, k, v = layer.qkv(h).view(h.shape[0], 3, heads, head_dim).unbind(1)
-            x = x + layer.attn_out(attend(q, k, v, head_dim ** -0.5))
-            x = x + ffn(layer_norm(x, layer.ffn_norm, cfg.layer_norm_eps), layer)
-        return layer_norm(x, self.encoder_norm, cfg.layer_norm_eps)
+        x = self.embed_source_tokens(input_ids, positions)
+        for i in range(len(self.encoder_layers)):
+            x = self.encoder_layer(i, x, lambda q, k, v: attend(q, k, v, scale))
+        return self.encoder_output(x)
 
     def cross_kv(self, enc: torch.Tensor) -> list[KVPair]:
         """Per decoder layer, the cross-attention ``(k, v)``, each ``[S, heads, head_dim]``,

@@ -1,18 +1,20 @@
 """The NLLB family's `ModelRunner`: the decoder over the engine's paged KV, the encoder once
 per sequence, its cross-attention K/V in engine-owned state slots.
 
-A sequence's encoder runs in the step that computes its first decoder token (again after a
-preemption by recompute, since the engine frees the slot); the step's decoder rows then
-attend to their own sequence's slot. The engine gives encoder-decoder models no prefix
-cache, so a slot always starts empty.
+The encoder runs in stages of one layer (`encode`), the sources of every sequence that runs
+a layer in a step packed into one batch; between steps a partly encoded source's hidden
+states wait in its slot. Its last stage writes the cross-attention K/V of every decoder
+layer into the slot, where the sequence's decoder rows read them. A preemption by recompute
+frees the slot, so the encoder runs again; the engine gives encoder-decoder models no
+prefix cache, so a slot always starts empty.
 """
 
 from __future__ import annotations
 
 import torch
 
-from heron.core import (Batch, CacheSpec, CacheTensors, KVCacheSpec, ModelInfo, ModelRunner,
-                        StateSpec)
+from heron.core import (Batch, CacheSpec, CacheTensors, EncoderChunk, KVCacheSpec, ModelInfo,
+                        ModelRunner, StateSpec)
 from heron.core.ops import paged_attention, write_kv
 from heron.plugins.nllb.model import NllbModel, attend
 
@@ -23,6 +25,7 @@ class NllbRunner(ModelRunner):
     def __init__(self, model: NllbModel, info: ModelInfo) -> None:
         self.model, self.info = model, info
         self.max_encoder_len = model.cfg.max_position_embeddings
+        self.encoder_stages = model.cfg.num_encoder_layers
         self.cache: CacheTensors | None = None
 
     def cache_spec(self) -> CacheSpec:
@@ -32,7 +35,8 @@ class NllbRunner(ModelRunner):
             kv=KVCacheSpec(cfg.num_decoder_layers, heads, head_dim),
             states=(StateSpec("cross_kv", (cfg.num_decoder_layers, 2, self.max_encoder_len,
                                            heads, head_dim)),
-                    StateSpec("cross_len", (1,), torch.int64)))
+                    StateSpec("cross_len", (1,), torch.int64),
+                    StateSpec("encoder_hidden", (self.max_encoder_len, cfg.d_model))))
 
     def bind_cache(self, cache: CacheTensors) -> None:
         self.cache = cache
@@ -43,6 +47,45 @@ class NllbRunner(ModelRunner):
         length = int(lengths[parent_slot, 0])
         cross[child_slot, :, :, :length].copy_(cross[parent_slot, :, :, :length])
         lengths[child_slot].copy_(lengths[parent_slot])
+
+    @torch.inference_mode()
+    def encode(self, chunks: list[EncoderChunk]) -> None:
+        model, states = self.model, self.cache.states
+        hidden = states["encoder_hidden"]
+        dev = hidden.device
+        sizes = [len(c.seq.encoder_token_ids) for c in chunks]
+        # every source row's (slot, position), chunk after chunk
+        slot_of = torch.repeat_interleave(torch.tensor([c.slot for c in chunks]),
+                                          torch.tensor(sizes)).to(dev)
+        position = torch.cat([torch.arange(n) for n in sizes]).to(dev)
+        ids = torch.tensor([t for c in chunks for t in c.seq.encoder_token_ids], device=dev)
+        x = model.embed_source_tokens(ids, position)
+        chunk_of = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(sizes)).to(dev)
+        resumed = torch.tensor([c.start > 0 for c in chunks], device=dev)[chunk_of]
+        if bool(resumed.any()):
+            x[resumed] = hidden[slot_of[resumed], position[resumed]]
+        scale = model.cfg.encoder_head_dim ** -0.5
+        for i in range(min(c.start for c in chunks), max(c.end for c in chunks)):
+            active = [c.start <= i < c.end for c in chunks]
+            if all(active):
+                x = model.encoder_layer(i, x, _packed_attention(sizes, scale, dev))
+                continue
+            rows = torch.tensor(active, device=dev)[chunk_of]
+            attention = _packed_attention([n for n, a in zip(sizes, active) if a], scale, dev)
+            x[rows] = model.encoder_layer(i, x[rows], attention)
+        done = torch.tensor([c.end == self.encoder_stages for c in chunks], device=dev)[chunk_of]
+        hidden[slot_of[~done], position[~done]] = x[~done]
+        if not bool(done.any()):
+            return
+        cross = states["cross_kv"]
+        slots, positions = slot_of[done], position[done]
+        for i, (k, v) in enumerate(model.cross_kv(model.encoder_output(x[done]))):
+            cross[slots, i, 0, positions] = k
+            cross[slots, i, 1, positions] = v
+        finished = [(c.slot, n) for c, n in zip(chunks, sizes) if c.end == self.encoder_stages]
+        lengths = states["cross_len"]
+        lengths[torch.tensor([s for s, _ in finished], device=dev), 0] = torch.tensor(
+            [n for _, n in finished], device=dev)
 
     def _batched_cross_attention(self, slots: list[int], sources: list[int], scale: float):
         """Cross-attention for one query row per sequence, in one call per layer over the
@@ -75,13 +118,6 @@ class NllbRunner(ModelRunner):
         model, cfg = self.model, self.model.cfg
         cross, lengths = self.cache.states["cross_kv"], self.cache.states["cross_len"]
         slots = batch.state_slots_list
-        for seq, slot in zip(batch.seqs, slots):
-            if seq.num_computed_tokens == 0:  # its first decoder rows: encode its source
-                source = torch.tensor(seq.encoder_token_ids, device=cross.device)
-                for i, (k, v) in enumerate(model.cross_kv(model.encode(source))):
-                    cross[slot, i, 0, :len(source)] = k
-                    cross[slot, i, 1, :len(source)] = v
-                lengths[slot, 0] = len(source)
         sources = lengths[batch.state_slots, 0].tolist()
         starts = batch.attn.query_start_loc.tolist()
         scale = cfg.decoder_head_dim ** -0.5
@@ -103,3 +139,26 @@ class NllbRunner(ModelRunner):
         x = model.decoder(model.embed_decoder_tokens(batch.input_ids, batch.positions),
                           self_attention, cross_attention)
         return model.logits(x.index_select(0, batch.logits_indices))
+
+
+def _packed_attention(sizes: list[int], scale: float, device: torch.device):
+    """Bidirectional attention over packed rows of sources of ``sizes`` tokens (each row sees
+    its own source's rows), as one padded SDPA call."""
+    longest = max(sizes)
+    # each packed row's place in the padded [sources * longest] layout
+    place = torch.cat([torch.arange(n) + i * longest for i, n in enumerate(sizes)]).to(device)
+    mask = torch.arange(longest)[None, :] < torch.tensor(sizes)[:, None]
+    mask = mask.to(device)[:, None, None, :]  # [sources, 1, 1, longest]
+
+    def pad(t):  # [N, H, D] -> [sources, H, longest, D]
+        out = t.new_zeros(len(sizes) * longest, *t.shape[1:])
+        out.index_copy_(0, place, t)
+        return out.view(len(sizes), longest, *t.shape[1:]).transpose(1, 2)
+
+    def attention(q, k, v):
+        o = torch.nn.functional.scaled_dot_product_attention(pad(q), pad(k), pad(v),
+                                                             attn_mask=mask, scale=scale)
+        o = o.transpose(1, 2).reshape(len(sizes) * longest, -1)
+        return o.index_select(0, place)
+
+    return attention
