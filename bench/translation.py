@@ -2,14 +2,21 @@
 
 A random-weight M2M100 shaped for a CPU (6 + 6 layers, d_model 512, 8 heads, FFN 2048) with
 a tokenizer trained on made-up sentences (tests/nllb_models.py; no downloads), 64 source
-sentences of 5-30 words, ``--max-tokens`` target tokens each (random weights never pick EOS,
-so both produce exactly that many), fp32 on the CPU, greedy and with beam search (4
-beams; EOS ignored by both, so every beam runs to the end). heron runs every sentence
-concurrently with continuous batching; transformers runs batches of ``--batch-size``
-sentences (padded, KV cache on). Target tokens/s (of the returned translations) for each
-and the ratio; JSON to bench/results/translation-<date>.json.
+sentences of 5-30 words, fp32 on the CPU, greedy and beam search (4 beams), two workloads:
 
-    python -m bench.translation [--num-beams 1 4]
+- ``fixed``: EOS ignored by both, so every translation (and beam) is exactly
+  ``--max-tokens`` long: both do the same decoder work, and nothing but per-step cost
+  separates them.
+- ``eos``: EOS honoured, translations end where the model picks EOS (its EOS logit is
+  raised, ``--eos-boost``, so lengths spread from 1 to ``--max-tokens``): a batch of
+  transformers runs until its longest translation ends, heron's continuous batching
+  retires each as it ends. heron's translations must equal transformers' token for token.
+
+heron runs every sentence concurrently; transformers runs batches of ``--batch-size``
+sentences (padded, KV cache on). Target tokens/s (of the returned translations, EOS
+included) for each and the ratio; JSON to bench/results/translation-<date>.json.
+
+    python -m bench.translation [--num-beams 1 4] [--workloads fixed eos]
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import datetime as dt
 import json
 import platform
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -39,7 +47,8 @@ def sources(num: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(5, 30))) for _ in range(num)]
 
 
-def bench_heron(path: Path, tok, texts, tgt_id: int, max_tokens: int, num_beams: int) -> dict:
+def bench_heron(path: Path, tok, texts, tgt_id: int, max_tokens: int, num_beams: int,
+                ignore_eos: bool) -> dict:
     from heron.core import Engine, SamplingParams, load_config
 
     engine = Engine(load_config(None, {
@@ -47,41 +56,58 @@ def bench_heron(path: Path, tok, texts, tgt_id: int, max_tokens: int, num_beams:
         "engine.max_num_seqs": len(texts) * num_beams,
         "engine.max_num_batched_tokens": 4096}))
     start_id = engine.runner.model.cfg.decoder_start_token_id
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos,
                             num_beams=num_beams)
 
     def run(batch):
         for i, text in enumerate(batch):
             engine.add_request(f"r{i}", [start_id, tgt_id], params,
                                encoder_prompt=tok(text).input_ids)
-        done = 0
+        done = {}
         while engine.has_unfinished():
-            done += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
-        return done
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step()
+                         if o.finished})
+        return [done[f"r{i}"] for i in range(len(batch))]
 
     run(texts[:2])  # warm-up
     start = time.perf_counter()
-    num_tokens = run(texts)
+    outputs = run(texts)
     elapsed = time.perf_counter() - start
-    return {"target_tokens": num_tokens, "seconds": elapsed, "tokens_per_s": num_tokens / elapsed}
+    return {"outputs": outputs, "seconds": elapsed}
 
 
 def bench_transformers(model, tok, texts, tgt_id: int, max_tokens: int, batch_size: int,
-                       num_beams: int) -> dict:
-    model.generation_config.eos_token_id = None  # never stop early: the same count as heron
+                       num_beams: int, ignore_eos: bool) -> dict:
+    eos = model.config.eos_token_id
+    # the same budget as heron's: max_tokens after the forced target language
     kw = dict(num_beams=num_beams, do_sample=False, forced_bos_token_id=tgt_id,
-              min_new_tokens=max_tokens + 1, max_new_tokens=max_tokens + 1)
+              max_new_tokens=max_tokens + 1, eos_token_id=None if ignore_eos else eos)
+    if ignore_eos:
+        kw["min_new_tokens"] = max_tokens + 1
+
+    def translations(out):  # after decoder start + language, through the first EOS
+        rows = []
+        for row in out[:, 2:].tolist():
+            rows.append(row[:row.index(eos) + 1] if eos in row and not ignore_eos else row)
+        return rows
+
     with torch.inference_mode():
         model.generate(**tok(texts[:2], return_tensors="pt", padding=True), **kw)  # warm-up
         start = time.perf_counter()
-        num_tokens = 0
+        outputs = []
         for i in range(0, len(texts), batch_size):
             batch = tok(texts[i:i + batch_size], return_tensors="pt", padding=True)
-            out = model.generate(**batch, **kw)
-            num_tokens += (out.shape[1] - 2) * out.shape[0]  # after decoder start + language
+            outputs += translations(model.generate(**batch, **kw))
         elapsed = time.perf_counter() - start
-    return {"target_tokens": num_tokens, "seconds": elapsed, "tokens_per_s": num_tokens / elapsed,
-            "batch_size": batch_size}
+    return {"outputs": outputs, "seconds": elapsed, "batch_size": batch_size}
+
+
+def summary(run: dict) -> dict:
+    lengths = [len(o) for o in run.pop("outputs")]
+    tokens = sum(lengths)
+    return {**run, "target_tokens": tokens, "tokens_per_s": tokens / run["seconds"],
+            "lengths": {"min": min(lengths), "median": statistics.median(lengths),
+                        "max": max(lengths)}}
 
 
 def main() -> int:
@@ -91,6 +117,9 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-beams", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--workloads", nargs="+", choices=["fixed", "eos"],
+                        default=["fixed", "eos"])
+    parser.add_argument("--eos-boost", type=float, default=4.5)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" /
                         f"translation-{dt.date.today().isoformat()}.json")
     args = parser.parse_args()
@@ -99,27 +128,35 @@ def main() -> int:
     from tests.nllb_models import build_nllb, build_tokenizer
 
     texts = sources(args.sentences)
+    runs = {}
     with tempfile.TemporaryDirectory(prefix="heron-translation-") as tmp:
         path = Path(tmp) / "m2m100"
         tok = build_tokenizer(path)
-        model = build_nllb(path, len(tok), **SHAPE)
+        model = build_nllb(path, len(tok), eos_boost=args.eos_boost, **SHAPE)
         tgt_id = tok.convert_tokens_to_ids("fra_Latn")
-        runs = {}
-        for beams in args.num_beams:
-            heron = bench_heron(path, tok, texts, tgt_id, args.max_tokens, beams)
-            hf = bench_transformers(model, tok, texts, tgt_id, args.max_tokens,
-                                    args.batch_size, beams)
-            assert heron["target_tokens"] == hf["target_tokens"], (heron, hf)
-            runs[beams] = {"heron": heron, "transformers": hf,
-                           "ratio": heron["tokens_per_s"] / hf["tokens_per_s"]}
-            print(f"num_beams {beams}: heron {heron['tokens_per_s']:.1f} target tok/s, "
-                  f"transformers {hf['tokens_per_s']:.1f} (batches of {args.batch_size}): "
-                  f"{runs[beams]['ratio']:.2f}x", flush=True)
+        for workload in args.workloads:
+            for beams in args.num_beams:
+                ignore_eos = workload == "fixed"
+                heron = bench_heron(path, tok, texts, tgt_id, args.max_tokens, beams,
+                                    ignore_eos)
+                hf = bench_transformers(model, tok, texts, tgt_id, args.max_tokens,
+                                        args.batch_size, beams, ignore_eos)
+                if heron["outputs"] != hf["outputs"]:
+                    raise SystemExit(f"{workload}, {beams} beams: heron's translations "
+                                     "differ from transformers'")
+                heron, hf = summary(heron), summary(hf)
+                name = f"{workload}, num_beams={beams}"
+                runs[name] = {"heron": heron, "transformers": hf,
+                              "ratio": heron["tokens_per_s"] / hf["tokens_per_s"]}
+                print(f"{name}: heron {heron['tokens_per_s']:.1f} target tok/s, "
+                      f"transformers {hf['tokens_per_s']:.1f} (batches of "
+                      f"{args.batch_size}): {runs[name]['ratio']:.2f}x; lengths "
+                      f"{heron['lengths']}", flush=True)
     result = {"date": dt.datetime.now().isoformat(timespec="seconds"),
               "machine": platform.processor() or platform.machine(), "threads": args.threads,
-              "model": {"layers": "6+6", **SHAPE, "vocab": len(tok)},
-              "sentences": args.sentences, "max_tokens": args.max_tokens,
-              "runs": {f"num_beams={b}": r for b, r in runs.items()}}
+              "model": {"layers": "6+6", **SHAPE, "vocab": len(tok),
+                        "eos_boost": args.eos_boost},
+              "sentences": args.sentences, "max_tokens": args.max_tokens, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -71,13 +71,15 @@ def heron_model(directory: Path):
                      torch.float32)
 
 
-def build_nllb(directory: Path, vocab_size: int, seed: int = 0, std: float = 0.15, **config):
+def build_nllb(directory: Path, vocab_size: int, seed: int = 0, std: float = 0.15,
+               eos_boost: float = EOS_BOOST, **config):
     """Save a tiny M2M100 (2 + 2 layers, d_model 64) with weights normal(0, ``std``);
     return it in eval mode. ``config`` overrides entries of the M2M100Config.
 
     Random weights never pick EOS, so give the decoder's final LayerNorm a constant feature
     (weight 0, bias 2.0 on channel 0) that only lm_head's EOS row reads: EOS then wins
-    where the other logits are low, and greedy translations end at different lengths."""
+    where the other logits are low, and greedy translations end at different lengths
+    (``eos_boost``, the EOS row's weight on that feature, sets how often)."""
     torch.manual_seed(seed)
     config = transformers.M2M100Config(**{**TINY, "vocab_size": vocab_size, **config})
     model = transformers.M2M100ForConditionalGeneration(config).eval()
@@ -91,6 +93,6 @@ def build_nllb(directory: Path, vocab_size: int, seed: int = 0, std: float = 0.1
         final = model.model.decoder.layer_norm
         final.weight[0], final.bias[0] = 0.0, 2.0
         model.lm_head.weight[:, 0] = 0.0
-        model.lm_head.weight[eos, 0] = EOS_BOOST
+        model.lm_head.weight[eos, 0] = eos_boost
     model.save_pretrained(directory)
     return model

@@ -88,28 +88,35 @@ class NllbRunner(ModelRunner):
             [n for _, n in finished], device=dev)
 
     def _batched_cross_attention(self, slots: list[int], sources: list[int], scale: float):
-        """Cross-attention for one query row per sequence, in one call per layer over the
-        slot tensor itself (no gather): queries go to their sequences' slots, and the slots
-        no sequence of this batch holds attend to nothing that is used."""
+        """Cross-attention for one query row per sequence, one call per layer. When most
+        slots up to the last one used are this batch's (a busy engine), over the slot tensor
+        itself, with no copy: queries go to their sequences' slots, and the other slots
+        attend to nothing that is used; otherwise over a gathered copy of the batch's slots."""
         cross = self.cache.states["cross_kv"]
-        num = max(slots) + 1
-        longest = max(sources)
-        index = torch.tensor(slots, device=cross.device)
-        lengths = torch.zeros(num, dtype=torch.long, device=cross.device)
-        lengths[index] = torch.tensor(sources, device=cross.device)
-        mask = (torch.arange(longest, device=cross.device)[None, :] < lengths[:, None])
+        dev, longest, num = cross.device, max(sources), max(slots) + 1
+        index = torch.tensor(slots, device=dev)
+        dense = 2 * len(slots) >= num
+        if dense:
+            lengths = torch.zeros(num, dtype=torch.long, device=dev)
+            lengths[index] = torch.tensor(sources, device=dev)
+        else:
+            lengths = torch.tensor(sources, device=dev)
+        mask = (torch.arange(longest, device=dev)[None, :] < lengths[:, None])
         mask = mask[:, None, None, :]  # [slots, 1, 1, S]
         mask[lengths == 0] = True  # unused slots: any finite row, discarded below
 
         def cross_attention(i, q):  # q [B, heads, head_dim]
             heads, head_dim = q.shape[1:]
-            q_all = q.new_zeros(num, heads, 1, head_dim)
-            q_all[index] = q[:, :, None, :]
-            k = cross[:num, i, 0, :longest].transpose(1, 2)  # [slots, heads, S, head_dim]
-            v = cross[:num, i, 1, :longest].transpose(1, 2)
-            o = torch.nn.functional.scaled_dot_product_attention(q_all, k, v, attn_mask=mask,
-                                                                 scale=scale)
-            return o[index].reshape(len(slots), heads * head_dim)
+            if dense:
+                q_all = q.new_zeros(num, heads, 1, head_dim)
+                q_all[index] = q[:, :, None, :]
+                k, v = cross[:num, i, :, :longest].unbind(1)
+            else:
+                q_all = q[:, :, None, :]
+                k, v = cross[index, i, :, :longest].unbind(1)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q_all, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+            return (o[index] if dense else o).reshape(len(slots), heads * head_dim)
 
         return cross_attention
 
