@@ -69,9 +69,9 @@ class Batch:
     """One engine step's work, as a flat token batch.
 
     ``logits_indices`` lists the flat rows whose logits the engine needs (the last row of
-    every sequence that samples this step, plus every prompt row of sequences that asked
-    for prompt logprobs). A family's ``forward`` returns logits for exactly those rows, in
-    that order.
+    every sequence that samples this step and the rows of its speculative drafts, plus
+    every prompt row of sequences that asked for prompt logprobs). A family's ``forward``
+    returns logits for exactly those rows, in that order.
     """
 
     seqs: list["Sequence"]

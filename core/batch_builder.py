@@ -29,7 +29,9 @@ class BatchBuilder:
             start = seq.num_computed_tokens
             end = start + n
             row0 = len(input_ids)
-            input_ids += seq.token_ids[start:end]
+            drafts = seq.draft_token_ids  # speculative: verified after the sequence's tokens
+            tokens = seq.token_ids + drafts if drafts else seq.token_ids
+            input_ids += tokens[start:end]
             positions += range(start, end)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -39,8 +41,8 @@ class BatchBuilder:
                 # rows predicting prompt tokens start..end-1 → the next prompt token
                 last = min(end, seq.num_prompt_tokens - 1)
                 logits_rows += range(row0, row0 + max(0, last - start))
-            if end == len(seq.token_ids):
-                logits_rows.append(row0 + n - 1)
+            if end == len(tokens):  # its last token's row, and one per draft
+                logits_rows += range(row0 + n - 1 - len(drafts), row0 + n)
         max_blocks = max(len(item.seq.block_table) for item in scheduled)
         tables = torch.tensor([item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table))
                                for item in scheduled], dtype=torch.int32)

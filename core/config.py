@@ -184,6 +184,25 @@ class LoraConfig(_Section):
         )
 
 
+class SpeculativeConfig(_Section):
+    """``method``: a registered proposer (built in: ``"ngram"``, prompt lookup); "" is off.
+    ``prompt_lookup_min`` / ``prompt_lookup_max``: the n-gram sizes ``ngram`` matches."""
+
+    method: str = ""
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def _checks(self):
+        return (
+            ("num_speculative_tokens", 1 <= self.num_speculative_tokens <= 16,
+             "must be in 1..16"),
+            ("prompt_lookup_min", self.prompt_lookup_min >= 1, "must be >= 1"),
+            ("prompt_lookup_max", self.prompt_lookup_max >= self.prompt_lookup_min,
+             "must be >= prompt_lookup_min"),
+        )
+
+
 class Config(_Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
@@ -191,6 +210,7 @@ class Config(_Section):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:

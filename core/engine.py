@@ -32,6 +32,7 @@ from heron.core.sampler import Sampler
 from heron.core.sampling_params import SamplingParams
 from heron.core.scheduler import Scheduler
 from heron.core.sequence import Sequence, SequenceStatus
+from heron.core.speculative import Proposer, SpecStats
 from heron.core.state_pool import StatePool, snapshot_bytes
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,8 @@ class Engine:
             self.graphs = DecodeGraphs(self.runner.forward, max_num_seqs=engine.max_num_seqs,
                                        max_context_len=self.max_model_len,
                                        block_size=engine.block_size, device=self.device)
+        self.proposer = self._build_proposer(stateless)
+        self.spec_stats = SpecStats()
         self._requests: dict[str, RequestState] = {}
         self._by_seq: dict[int, RequestState] = {}
         self._outputs: dict[int, SeqOutput] = {}
@@ -128,6 +131,20 @@ class Engine:
                 self.add_adapter(name, path)
             except AdapterError as e:  # one bad adapter must not take the server down
                 log.error("adapter not loaded: %s", e)
+
+    def _build_proposer(self, stateless: bool) -> Proposer | None:
+        spec = self.config.speculative
+        if not spec.method:
+            return None
+        build = self.plugins.proposers.get(spec.method)
+        if build is None:
+            raise ValueError(f"unknown speculative method {spec.method!r}; registered: "
+                             f"{sorted(self.plugins.proposers)}")
+        if not stateless or self.runner.is_encoder_decoder:
+            raise ValueError(f"speculative decoding is not available for model "
+                             f"{self.runner.info.name!r}: its family keeps per-sequence "
+                             "states, which rejected drafts would have to roll back")
+        return build(spec, self.runner)
 
     # -- adapters ------------------------------------------------------------------------
 
@@ -327,6 +344,8 @@ class Engine:
     # -- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.proposer is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         if self.adapter_pool is not None:  # each adapter's rows one segment (ops.lora)
             sched.scheduled.sort(key=lambda item: -1 if item.seq.lora_slot is None
@@ -391,6 +410,20 @@ class Engine:
             outputs.append(state.snapshot())
         return outputs
 
+    def _propose(self) -> None:
+        """Drafts for the running sequences that decode this step, within their limits (the
+        token the target adds after the drafts must still fit max_tokens and the context)."""
+        k = self.config.speculative.num_speculative_tokens
+        seqs = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1
+                and s.params.speculative and s.params.num_beams == 1]
+        if not seqs:
+            return
+        for seq, drafts in zip(seqs, self.proposer.propose(seqs, k)):
+            room = min(k, self.max_model_len - len(seq) - 1)
+            if seq.params.max_tokens is not None:
+                room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+            seq.draft_token_ids = list(drafts[:max(0, room)])
+
     def _run_encoder(self, encoding) -> None:
         chunks = []
         for item in encoding:
@@ -406,6 +439,7 @@ class Engine:
         sample_rows, sample_seqs = [], []
         beams: dict[str, RequestState] = {}
         forks: list[RequestState] = []
+        drafted: list[tuple[Sequence, int]] = []  # (sequence, its first row)
         for item in scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
@@ -414,6 +448,10 @@ class Engine:
                 num = max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens - 1) - start)
                 self._add_prompt_logprobs(seq, logits[row:row + num], start)
                 row += num
+            if seq.draft_token_ids:  # scheduled whole: its last token and every draft
+                drafted.append((seq, row))
+                row += 1 + len(seq.draft_token_ids)
+                continue
             if seq.num_computed_tokens == len(seq.token_ids):
                 state = self._by_seq[seq.seq_id]
                 if state.beam is not None:
@@ -430,22 +468,58 @@ class Engine:
                 row += 1
         for state in beams.values():
             self._beam_step(state, logits)
+        if drafted:
+            self._verify(drafted, logits)
         if not sample_seqs:
             return
         result = self.sampler.sample(logits[sample_rows], sample_seqs)
         for state in forks:
             self._fork_siblings(state)
-        failed = set(result.failed_rows)
         for i, seq in enumerate(sample_seqs):
-            out = self._outputs[seq.seq_id]
-            if i in failed:
-                out.finish("error", error="the model produced non-finite logits")
-            else:
-                token = result.token_ids[i]
-                seq.token_ids.append(token)
-                out.append(token, result.logprobs[i] if result.logprobs else None)
-            if out.out.finish_reason is not None:
+            if not self._emit(seq, result, i):
                 self._finish_seq(seq)
+
+    def _emit(self, seq: Sequence, result, i: int) -> bool:
+        """Append row ``i`` of a sampler result to ``seq``; False when ``seq`` is done."""
+        out = self._outputs[seq.seq_id]
+        if i in result.failed_rows:
+            out.finish("error", error="the model produced non-finite logits")
+        else:
+            token = result.token_ids[i]
+            seq.token_ids.append(token)
+            out.append(token, result.logprobs[i] if result.logprobs else None)
+        return out.out.finish_reason is None
+
+    def _verify(self, drafted: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
+        """Walk each sequence's drafts in order (see `heron.core.speculative`): the sampler
+        picks the target's token at each position; a draft equal to it is accepted and the
+        walk goes on, the first that differs is replaced by it and ends the walk, and after
+        the last draft the target's next token is a bonus. Then roll back the KV of what
+        was rejected."""
+        drafts = {seq.seq_id: seq.draft_token_ids for seq, _ in drafted}
+        lengths = {seq.seq_id: len(seq.token_ids) for seq, _ in drafted}
+        for seq, _ in drafted:
+            seq.draft_token_ids = []
+        active, position = drafted, 0
+        while active:
+            seqs = [seq for seq, _ in active]
+            result = self.sampler.sample(logits[[row + position for _, row in active]], seqs)
+            walking = []
+            for i, (seq, row) in enumerate(active):
+                draft = drafts[seq.seq_id]
+                live = self._emit(seq, result, i)
+                matched = position < len(draft) and result.token_ids[i] == draft[position]
+                if live and matched:
+                    walking.append((seq, row))
+                    continue
+                accepted = position + matched
+                self.spec_stats.record(len(draft), accepted)
+                # valid KV: the tokens before the step, then the accepted drafts
+                seq.num_computed_tokens = lengths[seq.seq_id] + accepted
+                self.scheduler.rollback(seq)
+                if not live:
+                    self._finish_seq(seq)
+            active, position = walking, position + 1
 
     def _beam_step(self, state: RequestState, logits: torch.Tensor) -> None:
         group = state.beam
@@ -555,6 +629,8 @@ class Engine:
         self._requests.pop(state.request_id, None)
 
     def _free_family_state(self, seq: Sequence) -> None:
+        if self.proposer is not None:
+            self.proposer.free_sequence(seq)
         if seq.family_state is not None:
             self.runner.free_sequence(seq)
             seq.family_state = None

@@ -60,3 +60,17 @@ def heron_register_adapter_loaders(register):
         for the base model's `heron.core.lora.LoraTarget` list, or raises
         `heron.core.lora.AdapterError` naming the adapter and the problem.
     """
+
+
+@hookspec
+def heron_register_proposers(register):
+    """Register speculative-decoding proposers (`heron.core.speculative.Proposer`), chosen
+    by ``[speculative] method``.
+
+    Called once when the plugin manager starts. Must be cheap.
+
+    :param register: call ``register(name, build)`` per proposer, where
+        ``build(config, runner)`` gets the `heron.core.config.SpeculativeConfig` and the
+        loaded `ModelRunner`, and returns a `Proposer`, or raises ValueError saying why
+        it cannot serve this model.
+    """

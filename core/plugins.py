@@ -20,6 +20,7 @@ from heron.core.family import FamilySpec
 from heron.core.kernels import register_kernel_file
 
 DEFAULT_PLUGINS = ("heron.plugins.transformer.plugin", "heron.plugins.hybrid_ssm.plugin",
+                   "heron.plugins.mtp.plugin",
                    "heron.plugins.lora.plugin", "heron.plugins.nllb.plugin")
 ENTRY_POINT_GROUP = "heron"
 
@@ -54,6 +55,7 @@ class PluginManager:
         self.plugins: dict[str, PluginInfo] = {}
         self.families: dict[str, FamilySpec] = {}
         self.adapter_loaders: dict[str, object] = {}  # format name -> load callable
+        self.proposers: dict[str, object] = {}  # speculative method -> build callable
         for module in DEFAULT_PLUGINS:
             self._load(module.rsplit(".", 2)[-2], module, None)
         if load_entry_points:
@@ -87,6 +89,9 @@ class PluginManager:
         self._call_for(name, "heron_register_adapter_loaders",
                        register=lambda fmt, load: self._register_adapter_loader(name, fmt,
                                                                                 load))
+        self._call_for(name, "heron_register_proposers",
+                       register=lambda method, build: self._register_proposer(name, method,
+                                                                              build))
 
     def _call_for(self, name: str, hook: str, **kwargs) -> list:
         """Call ``hook`` on plugin ``name`` alone, so what it registers is attributed to it."""
@@ -107,6 +112,12 @@ class PluginManager:
             raise PluginError(f"adapter format {fmt!r} is registered twice "
                               f"(again by plugin {plugin_name!r})")
         self.adapter_loaders[fmt] = load
+
+    def _register_proposer(self, plugin_name: str, method: str, build) -> None:
+        if method in self.proposers:
+            raise PluginError(f"speculative method {method!r} is registered twice "
+                              f"(again by plugin {plugin_name!r})")
+        self.proposers[method] = build
 
     def _register_kernel_file(self, plugin_name: str, path, names, defines) -> None:
         entry = register_kernel_file(path, names, defines)

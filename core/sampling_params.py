@@ -43,6 +43,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    speculative: bool = True  # False: never draft for this request (`heron.core.speculative`)
 
     def validate(self) -> None:
         """Raise ValueError naming the first field out of range."""

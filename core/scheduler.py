@@ -232,10 +232,31 @@ class Scheduler:
         encoder is done, then its next chunk (whole without chunked prefill)."""
         if stages < self._encoder_left(seq):
             return 0
-        num_tokens = seq.num_uncomputed_tokens
+        num_tokens = seq.num_uncomputed_tokens + len(seq.draft_token_ids)
         if num_tokens > budget:
             num_tokens = budget if self.chunked_prefill or seq.status is SequenceStatus.RUNNING else 0
         return num_tokens
+
+    # -- speculative drafts ------------------------------------------------------------------
+
+    def _fit_drafts(self, seq: Sequence, num_tokens: int) -> int:
+        """Cut ``seq``'s drafts to the ``num_tokens`` the budget gave it, or drop them when
+        the blocks they need are not free (a guess never preempts anyone)."""
+        real = min(num_tokens, seq.num_uncomputed_tokens)
+        keep = num_tokens - real
+        if keep and not self._can_allocate(self._blocks_needed(seq, num_tokens)):
+            keep = 0
+        del seq.draft_token_ids[keep:]
+        return real + keep
+
+    def rollback(self, seq: Sequence) -> None:
+        """After verification moved ``num_computed_tokens`` back over rejected drafts: free
+        the blocks past the ones ``seq``'s tokens need (only rejected drafts wrote there)."""
+        keep = -(-len(seq.token_ids) // self.block_size)
+        extra = seq.block_table[keep:]
+        if extra:
+            self.block_pool.free(extra[::-1])
+            del seq.block_table[keep:]
 
     # -- preemption --------------------------------------------------------------------------
 
@@ -267,6 +288,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> Sequence:
         self._splits.pop(seq.seq_id, None)
+        seq.draft_token_ids = []
         self.cache_computed(seq)
         host = self.host_pool
         if host is not None and host.can_allocate(len(seq.block_table)):
@@ -297,6 +319,8 @@ class Scheduler:
                 continue
             stages, cost = self._encoder_plan(seq, budget)
             num_tokens = self._chunk(seq, self._decoder_tokens(seq, stages, budget - cost))
+            if seq.draft_token_ids:
+                num_tokens = self._fit_drafts(seq, num_tokens)
             if num_tokens == 0 and stages == 0:
                 continue
             needed = self._blocks_needed(seq, num_tokens)

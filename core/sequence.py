@@ -30,6 +30,8 @@ class Sequence:
     ``encoder_token_ids`` is an encoder-decoder model's source (the decoder's input is
     ``token_ids``); ``encoder_stages_done`` counts the stages of its encoder that have run
     (the scheduler spreads a long source's over steps; recompute resets it to zero).
+    ``draft_token_ids`` are tokens a proposer drafted to follow ``token_ids`` this step
+    (`heron.core.speculative`): scheduled after them, never part of them.
     ``family_state`` is whatever the model family's ``alloc_sequence`` returned; the engine
     never looks inside it.
     """
@@ -38,7 +40,7 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_table", "status", "params", "arrival", "family_state", "generator",
         "namespace", "num_cached_tokens", "host_block_table", "state_slot", "lora_slot",
-        "encoder_token_ids", "encoder_stages_done",
+        "encoder_token_ids", "encoder_stages_done", "draft_token_ids",
     )
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
@@ -63,6 +65,7 @@ class Sequence:
         self.lora_slot: int | None = None  # its adapter's slot while it runs (namespace.adapter)
         self.encoder_token_ids = encoder_token_ids  # an encoder-decoder's source; () otherwise
         self.encoder_stages_done = 0
+        self.draft_token_ids: list[int] = []  # this step's speculative drafts, to verify
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,0 +1,75 @@
+"""Speculative decoding: proposers draft tokens, the target model verifies them in its batch.
+
+Each step, before scheduling, the engine asks the configured `Proposer` for up to ``k``
+draft tokens per decoding sequence (``Sequence.draft_token_ids``). The scheduler runs the
+sequence's pending token and its drafts as one chunk of ``1 + k`` positions, in the same
+flat batch as everything else; the family returns logits for all of them.
+
+Verification (`verify` in the engine) walks the positions in order and, at each, asks the
+ordinary sampler for the target's token there (every setting applied: penalties see the
+drafts accepted before it, a seeded request draws from its own generator). A draft equal to
+that token is accepted and the walk goes on; the first token that differs is emitted in its
+place and the walk stops; after the last draft the next position's token is a bonus. For a
+proposer that drafts one token deterministically (n-gram lookup, a greedy drafter), this is
+the standard rejection rule with a point-mass draft distribution q: a draft x is accepted
+with probability min(1, p(x) / q(x)) = p(x), and on rejection the token is drawn from the
+normalised (p − q)+, which is p without x. So each emitted token has exactly the target's
+distribution, and one uniform draw per emitted token keeps seeded requests' streams
+identical with or without speculation.
+
+The KV the rejected drafts wrote stays in blocks past the sequence's computed tokens: the
+engine rolls ``num_computed_tokens`` back over it (later writes overwrite it) and frees the
+blocks only rejected drafts used (`Scheduler.rollback`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from heron.core.sequence import Sequence
+
+
+class Proposer(ABC):
+    """Drafts tokens for decoding sequences. Registered by plugins
+    (``heron_register_proposers``); built once per engine."""
+
+    @abstractmethod
+    def propose(self, seqs: list[Sequence], k: int) -> list[list[int]]:
+        """Up to ``k`` draft tokens to follow each sequence's ``token_ids`` (``[]``: none
+        this step). Must not mutate the sequences."""
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Forget what the proposer keeps for ``seq`` (it finished, aborted or was
+        preempted). Must not raise."""
+
+
+@dataclass
+class SpecStats:
+    """Cumulative counts: ``drafts`` verifications run, ``draft_tokens`` proposed,
+    ``accepted_tokens`` of them accepted, ``accepted_at[i]`` drafts accepted at position
+    ``i`` (0-based) of a draft."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_at: list[int] = field(default_factory=list)
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += num_drafted
+        self.accepted_tokens += num_accepted
+        if len(self.accepted_at) < num_drafted:
+            self.accepted_at += [0] * (num_drafted - len(self.accepted_at))
+        for i in range(num_accepted):
+            self.accepted_at[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification: the accepted drafts plus the one the target
+        gives (vLLM's "mean acceptance length")."""
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else 0.0

@@ -1,0 +1,1 @@
+"""Speculative-decoding proposers: prompt lookup (n-gram)."""

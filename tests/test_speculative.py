@@ -1,0 +1,203 @@
+"""Speculative decoding on a tiny Llama: drafts verified in the batch never change outputs.
+
+Greedy: token for token the same with and without n-gram drafts, in mixed batches, with
+opt-outs and preemption. Sampling: seeded requests give the same tokens, and the joint
+distribution of two sampled tokens with drafts matches transformers' probabilities under
+a chi-square test that a deliberately broken verifier fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from heron.core.sampling_params import SamplingParams
+from heron.core.speculative import Proposer
+from heron.plugins.mtp.ngram import NgramProposer
+from tests.engine_utils import assert_no_leaks, make_engine, run_to_end
+from tests.tiny_models import build_tiny
+
+NGRAM = {"speculative.method": "ngram", "speculative.num_speculative_tokens": 3,
+         "speculative.prompt_lookup_min": 1}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    return path, build_tiny("llama", path)
+
+
+def prompts() -> list[list[int]]:
+    """Prompts of different lengths; some repeat spans, as text that quotes itself does."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for n in (5, 12, 30, 47, 9, 21):
+        ids = torch.randint(3, 200, (n,), generator=g).tolist()
+        out.append(ids + ids[: n // 2] if n % 2 else ids)
+    return out
+
+
+def run(engine, params: list[SamplingParams]) -> list[list[int]]:
+    for i, (ids, p) in enumerate(zip(prompts(), params)):
+        engine.add_request(f"r{i}", ids, p)
+    done = run_to_end(engine)
+    return [done[f"r{i}"].outputs[0].token_ids for i in range(len(params))]
+
+
+def test_ngram_lookup_drafts_what_followed_the_latest_match():
+    ngram = NgramProposer(2, 3)
+    assert ngram.lookup([1, 2, 3, 4, 9, 2, 3, 4, 7, 2, 3, 4], 2) == [7, 2]  # latest, 3-gram
+    assert ngram.lookup([5, 6, 1, 2, 8, 8, 1, 2], 5) == [8, 8, 1, 2]
+    assert ngram.lookup([1, 2, 3, 4], 3) == []  # the suffix never appeared before
+    assert ngram.lookup([7, 7, 7], 3) == [7]  # overlapping: what followed the 2-gram
+    assert ngram.lookup([7, 7], 3) == []  # no earlier 2-gram
+
+
+class OracleProposer(Proposer):
+    """Drafts the known continuation with one token spoiled at a position that varies with
+    the output length (past the last draft: all right), so every accepted length from 0 to
+    k occurs."""
+
+    def __init__(self, prompts: list[list[int]], continuations: list[list[int]]) -> None:
+        self.refs = {tuple(p): c for p, c in zip(prompts, continuations)}
+
+    def propose(self, seqs, k):
+        drafts = []
+        for seq in seqs:
+            ref, done = self.refs[tuple(seq.prompt_token_ids)], seq.num_output_tokens
+            draft = list(ref[done:done + k])
+            spoil = (done * 5 + len(seq.prompt_token_ids)) % (k + 1)
+            if spoil < len(draft):
+                draft[spoil] = 3 if draft[spoil] != 3 else 4
+            drafts.append(draft)
+        return drafts
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"engine.max_num_seqs": 2},  # requests join while others verify drafts
+    {"engine.num_kv_blocks": 30, "engine.block_size": 4},  # preemption, rollback at edges
+], ids=["one-batch", "staggered", "preempted"])
+@pytest.mark.parametrize("proposer", ["ngram", "oracle"])
+def test_greedy_outputs_are_identical_with_drafts(tiny, overrides, proposer):
+    path, _ = tiny
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                             speculative=i % 3 != 2)  # every third opts out
+              for i in range(len(prompts()))]
+    plain = run(make_engine(path, **overrides), params)
+    engine = make_engine(path, **overrides, **NGRAM)
+    if proposer == "oracle":
+        engine.proposer = OracleProposer(prompts(), plain)
+    assert run(engine, params) == plain
+    stats = engine.spec_stats
+    assert stats.draft_tokens > stats.accepted_tokens
+    if proposer == "oracle":  # every accepted length occurred
+        assert stats.drafts > stats.accepted_at[0] >= stats.accepted_at[1] > 0
+        assert stats.accepted_at[1] >= stats.accepted_at[2] > 0
+    if "engine.num_kv_blocks" in overrides:
+        assert engine.scheduler.num_preemptions > 0
+    assert_no_leaks(engine)
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_drafts(tiny):
+    path, _ = tiny
+    params = [SamplingParams(max_tokens=32, temperature=0.8, top_k=20, seed=100 + i,
+                             ignore_eos=True, repetition_penalty=1.1)
+              for i in range(len(prompts()))]
+    plain = run(make_engine(path), params)
+    engine = make_engine(path, **NGRAM)
+    engine.proposer = OracleProposer(prompts(), plain)  # the same seeds' continuations
+    assert run(engine, params) == plain
+    assert engine.spec_stats.accepted_tokens > 0
+
+
+class ScriptedProposer(Proposer):
+    """Drafts ``script[token]`` after a sequence whose last token is ``token``."""
+
+    def __init__(self, script: dict[int, list[int]]) -> None:
+        self.script = script
+
+    def propose(self, seqs, k):
+        return [self.script.get(seq.token_ids[-1], [])[:k] for seq in seqs]
+
+
+def test_acceptance_is_counted_per_position_and_rejected_blocks_are_freed(tiny):
+    """Drafts built from the greedy continuation: right, right, wrong."""
+    path, _ = tiny
+    prompt = prompts()[2]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ref = make_engine(path).generate([prompt], params)[0].outputs[0].token_ids
+    assert len(set(ref[:5])) == 5  # distinct: the script below is unambiguous
+    wrong = next(t for t in range(3, 200) if t != ref[3])
+    engine = make_engine(path, **{"engine.block_size": 4, **NGRAM})
+    engine.proposer = ScriptedProposer({ref[0]: [ref[1], ref[2], wrong]})
+    seen_blocks = []
+    engine.add_request("r", prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            seen_blocks.append((len(seq.token_ids), len(seq.block_table)))
+    stats = engine.spec_stats
+    assert (stats.drafts, stats.draft_tokens, stats.accepted_tokens) == (1, 3, 2)
+    assert stats.accepted_at == [1, 1, 0]
+    assert stats.acceptance_rate == pytest.approx(2 / 3)
+    assert stats.mean_accepted_length == 3.0
+    # never more blocks than the tokens need once a step is done
+    assert all(blocks <= -(-n // 4) for n, blocks in seen_blocks)
+    assert_no_leaks(engine)
+
+
+class BlindSampler:
+    """A broken verifier: the draft after ``t1`` is taken whatever the target says."""
+
+    def __init__(self, sampler, script: dict[int, list[int]]) -> None:
+        self.sampler, self.script = sampler, script
+
+    def sample(self, logits, seqs):
+        result = self.sampler.sample(logits, seqs)
+        for i, seq in enumerate(seqs):
+            if seq.num_output_tokens == 1 and seq.token_ids[-1] in self.script:
+                result.token_ids[i] = self.script[seq.token_ids[-1]][0]
+        return result
+
+
+CHI2_DF8_P001 = 26.12  # the chi-square quantile for 8 degrees of freedom at p = 0.001
+
+
+@pytest.mark.parametrize("verifier", ["exact", "blind"])
+def test_sampled_pairs_follow_the_targets_distribution(tiny, verifier):
+    """Top-3 sampling of two tokens, a draft (the target's second choice) proposed for the
+    second: the 9 pairs' counts over 3000 seeded requests against transformers' p(t1) ·
+    p(t2 | t1)."""
+    path, hf = tiny
+    prompt = prompts()[1]
+    with torch.no_grad():
+        first = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1], -1)
+        top1 = first.topk(3).indices.tolist()
+        nexts = torch.softmax(hf(torch.tensor([prompt + [t] for t in top1])).logits[:, -1], -1)
+    expected, script = {}, {}
+    p1 = first[top1] / first[top1].sum()
+    for a, t1 in enumerate(top1):
+        top2 = nexts[a].topk(3).indices.tolist()
+        p2 = nexts[a][top2] / nexts[a][top2].sum()
+        script[t1] = [top2[1]]
+        for b, t2 in enumerate(top2):
+            expected[t1, t2] = (p1[a] * p2[b]).item()
+    engine = make_engine(path, **NGRAM, **{"engine.max_num_seqs": 64})
+    engine.proposer = ScriptedProposer(script)
+    if verifier == "blind":
+        engine.sampler = BlindSampler(engine.sampler, script)
+    num = 3000
+    for i in range(num):
+        engine.add_request(f"s{i}", prompt, SamplingParams(
+            max_tokens=3, temperature=1.0, top_k=3, seed=i, ignore_eos=True))
+    counts = dict.fromkeys(expected, 0)
+    for out in run_to_end(engine).values():
+        counts[tuple(out.outputs[0].token_ids[:2])] += 1
+    chi2 = sum((counts[c] - num * p) ** 2 / (num * p) for c, p in expected.items())
+    assert engine.spec_stats.drafts == num
+    if verifier == "exact":
+        assert chi2 < CHI2_DF8_P001, (chi2, counts)
+        assert 0 < engine.spec_stats.accepted_tokens < num
+    else:
+        assert chi2 > 10 * CHI2_DF8_P001, (chi2, counts)
