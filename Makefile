@@ -9,7 +9,7 @@ PLUGIN       := plugin_template
 PLUGIN_STAMP := $(VENV)/.plugin-installed
 PLUGIN_FILES := $(shell find $(PLUGIN) -path $(PLUGIN)/build -prune -o \( -name '*.py' -o -name '*.cu' -o -name '*.toml' \) -print)
 
-.PHONY: setup model test serve bench bench-offline bench-profile bench-multiturn bench-lora bench-soak bench-translation kernels-check clean
+.PHONY: setup model test serve bench bench-offline bench-profile bench-multiturn bench-lora bench-soak bench-translation bench-speculative kernels-check clean
 
 setup: $(STAMP) $(PLUGIN_STAMP) model
 
@@ -60,6 +60,9 @@ bench-lora: setup
 
 bench-translation: setup
 	$(BIN)/python -m bench.translation
+
+bench-speculative: setup
+	$(BIN)/python -m bench.speculative
 
 bench-soak: setup
 	$(BIN)/python -m bench.soak

@@ -18,6 +18,7 @@ thread, before the next step can change them, and handed to the loop in one call
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from heron.core.engine import Engine
 from heron.core.logprobs import TokenLogprobs
 from heron.core.outputs import RequestOutput
 from heron.core.sampling_params import SamplingParams
+from heron.core.speculative import SpecStats
 
 __all__ = ["AsyncEngine", "EngineStats", "EngineStoppedError", "QueueFullError", "RequestDelta",
            "SeqDelta"]
@@ -94,6 +96,7 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    spec: SpecStats | None = None  # speculative decoding's counts; None when it is off
 
 
 Sink = Callable[[RequestDelta], None]
@@ -406,7 +409,8 @@ class AsyncEngine:
             num_prompt_tokens_waiting=sum(waiting_tokens.values()),
             num_preemptions=sched.num_preemptions,
             prefix_cache_queried_tokens=sched.prefix_queried_tokens,
-            prefix_cache_hit_tokens=sched.prefix_hit_tokens)
+            prefix_cache_hit_tokens=sched.prefix_hit_tokens,
+            spec=(copy.deepcopy(engine.spec_stats) if engine.proposer is not None else None))
 
     def _stop(self, request_id: str, reason: str, error: str | None) -> None:
         out = self.engine.abort(request_id)

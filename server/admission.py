@@ -147,7 +147,8 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
         stop=[s for s in stop if s], stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        skip_special_tokens=req.skip_special_tokens, **beam_fields(req))
+        skip_special_tokens=req.skip_special_tokens, speculative=req.speculative,
+        **beam_fields(req))
     return validated(params)
 
 

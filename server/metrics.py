@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, disable_created_metrics, generate_latest)
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from heron.core.async_engine import EngineStats
@@ -95,3 +95,23 @@ class _EngineCounters(Collector):
         stats = self._stats()
         for name, doc, field in self._COUNTERS:
             yield CounterMetricFamily(name, doc, value=getattr(stats, field))
+        spec = stats.spec
+        if spec is None:
+            return
+        yield CounterMetricFamily("heron_spec_decode_drafts", "Speculative drafts verified",
+                                  value=spec.drafts)
+        yield CounterMetricFamily("heron_spec_decode_draft_tokens", "Draft tokens proposed",
+                                  value=spec.draft_tokens)
+        yield CounterMetricFamily("heron_spec_decode_accepted_tokens", "Draft tokens accepted",
+                                  value=spec.accepted_tokens)
+        per_position = CounterMetricFamily("heron_spec_decode_accepted_tokens_per_position",
+                                           "Draft tokens accepted at each position of a "
+                                           "draft (0-based)", labels=["position"])
+        for position, count in enumerate(spec.accepted_at):
+            per_position.add_metric([str(position)], count)
+        yield per_position
+        yield GaugeMetricFamily("heron_spec_decode_acceptance_rate", "Accepted over proposed "
+                                "draft tokens, so far", value=spec.acceptance_rate)
+        yield GaugeMetricFamily("heron_spec_decode_mean_accepted_length", "Tokens emitted per "
+                                "verification (accepted drafts + 1), so far",
+                                value=spec.mean_accepted_length)

@@ -61,6 +61,8 @@ class SamplingFields(_Body, kw_only=True):
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
     # prefix-cache isolation: only requests with the same salt share cached KV
     cache_salt: Annotated[str, Meta(min_length=1)] | None = None
+    # false: no speculative drafts for this request (outputs are the same either way)
+    speculative: bool = True
     # accepted and ignored: they do not change the output
     user: str | None = None
     metadata: dict[str, str] | None = None

@@ -99,6 +99,23 @@ def test_hook_heron_register_adapter_loaders():
         pm.register(type("Again", (FakeFormat,), {})(), name="again")
 
 
+def test_hook_heron_register_proposers():
+    def build(config, runner):
+        raise NotImplementedError
+
+    class FakeProposer:
+        @hookimpl
+        def heron_register_proposers(self, register):
+            register("fake-drafts", build)
+
+    pm = PluginManager(load_entry_points=False)
+    pm.register(FakeProposer(), name="fake-proposer-plugin")
+    assert pm.proposers["fake-drafts"] is build
+    assert "ngram" in pm.proposers  # the built-in mtp plugin
+    with pytest.raises(PluginError, match="speculative method 'fake-drafts' is registered twice"):
+        pm.register(type("Again", (FakeProposer,), {})(), name="again")
+
+
 def test_misspelled_hook_fails_at_registration():
     class Typo:
         @hookimpl

@@ -201,3 +201,43 @@ def test_sampled_pairs_follow_the_targets_distribution(tiny, verifier):
         assert 0 < engine.spec_stats.accepted_tokens < num
     else:
         assert chi2 > 10 * CHI2_DF8_P001, (chi2, counts)
+
+
+def test_drafts_are_verified_under_each_requests_adapter(tiny, tmp_path):
+    """Base and LoRA requests in one batch, drafts from the base model's continuations:
+    right for base rows, mostly wrong for adapter rows; outputs are unchanged."""
+    from tests.lora_models import STANDARD, build_adapter
+
+    path, hf = tiny
+    name, kw = next(iter(STANDARD.items()))
+    build_adapter(hf, tmp_path / name, **kw)
+    lora = {"lora.adapters": {name: str(tmp_path / name)}}
+    jobs = [(p, adapter) for p in prompts()[:3] for adapter in (None, name)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def go(engine):
+        for i, (prompt, adapter) in enumerate(jobs):
+            engine.add_request(f"j{i}", prompt, params, adapter=adapter)
+        done = run_to_end(engine)
+        return [done[f"j{i}"].outputs[0].token_ids for i in range(len(jobs))]
+
+    plain = go(make_engine(path, **lora))
+    engine = make_engine(path, **lora, **NGRAM)
+    base = [out for out, (_, adapter) in zip(plain, jobs) if adapter is None]
+    engine.proposer = OracleProposer(prompts()[:3], base)
+    assert go(engine) == plain
+    assert plain[0] != plain[1]  # the adapter changes the output
+    assert 0 < engine.spec_stats.accepted_tokens < engine.spec_stats.draft_tokens
+    assert engine.num_adapters_in_use == 0
+    assert_no_leaks(engine)
+
+
+def test_speculation_is_refused_where_it_cannot_run(tiny, tmp_path):
+    from tests.hybrid_models import build_hybrid
+
+    path, _ = tiny
+    with pytest.raises(ValueError, match="unknown speculative method 'eagle'.*'ngram'"):
+        make_engine(path, **{"speculative.method": "eagle"})
+    build_hybrid("bamba", tmp_path)
+    with pytest.raises(ValueError, match="per-sequence states"):
+        make_engine(tmp_path, **NGRAM)
