@@ -15,8 +15,10 @@ source's encoder spreads over steps and never stalls running decodes for a whole
 A sequence is admitted when its next stage fits the budget left (or the step is empty, or
 one stage is larger than a whole budget); once admitted, it runs at least one stage every
 step (the budget may be exceeded by that stage), so decodes that take the budget first
-cannot starve it. Its decoder rows may join
-the step that runs its last stage.
+cannot starve it. Its decoder rows may join the step that runs its last stage.
+
+Speculative drafts (`heron.core.speculative`) ride with their sequence's pending token in
+one chunk; they are cut to the budget, and dropped rather than preempt anyone for blocks.
 
 When blocks run out (free blocks plus cached blocks nobody uses), the newest running
 sequence is preempted: with ``preemption = "swap"`` its blocks are copied to the host pool
@@ -234,7 +236,8 @@ class Scheduler:
             return 0
         num_tokens = seq.num_uncomputed_tokens + len(seq.draft_token_ids)
         if num_tokens > budget:
-            num_tokens = budget if self.chunked_prefill or seq.status is SequenceStatus.RUNNING else 0
+            chunkable = self.chunked_prefill or seq.status is SequenceStatus.RUNNING
+            num_tokens = budget if chunkable else 0
         return num_tokens
 
     # -- speculative drafts ------------------------------------------------------------------

@@ -241,3 +241,22 @@ def test_speculation_is_refused_where_it_cannot_run(tiny, tmp_path):
     build_hybrid("bamba", tmp_path)
     with pytest.raises(ValueError, match="per-sequence states"):
         make_engine(tmp_path, **NGRAM)
+
+
+def test_siblings_of_a_request_with_n_choices_keep_their_streams(tiny):
+    path, _ = tiny
+    params = [SamplingParams(n=3, max_tokens=16, temperature=1.0, top_k=5, seed=7 + i,
+                             ignore_eos=True) for i in range(len(prompts()))]
+
+    def choices(engine):
+        for i, (ids, p) in enumerate(zip(prompts(), params)):
+            engine.add_request(f"r{i}", ids, p)
+        done = run_to_end(engine)
+        return [[c.token_ids for c in done[f"r{i}"].outputs] for i in range(len(params))]
+
+    plain = choices(make_engine(path))
+    engine = make_engine(path, **NGRAM)
+    engine.proposer = OracleProposer(prompts(), [c[0] for c in plain])  # choice 0's tokens
+    assert choices(engine) == plain
+    assert engine.spec_stats.accepted_tokens > 0
+    assert_no_leaks(engine)

@@ -65,10 +65,11 @@ class NllbRunner(ModelRunner):
         if bool(resumed.any()):
             x[resumed] = hidden[slot_of[resumed], position[resumed]]
         scale = model.cfg.encoder_head_dim ** -0.5
+        everyone = _packed_attention(sizes, scale, dev)
         for i in range(min(c.start for c in chunks), max(c.end for c in chunks)):
             active = [c.start <= i < c.end for c in chunks]
             if all(active):
-                x = model.encoder_layer(i, x, _packed_attention(sizes, scale, dev))
+                x = model.encoder_layer(i, x, everyone)
                 continue
             rows = torch.tensor(active, device=dev)[chunk_of]
             attention = _packed_attention([n for n, a in zip(sizes, active) if a], scale, dev)
