@@ -54,6 +54,7 @@ def run(engine, prompts, params, concurrency: int) -> tuple[list[list[int]], flo
 
 def bench(model_path: Path, method: str, k: int, max_tokens: int, concurrency: int) -> dict:
     from heron.core import Engine, SamplingParams, load_config
+    from heron.core.speculative import SpecStats
 
     engine = Engine(load_config(None, {
         "model.path": str(model_path), "model.dtype": "float32", "model.device": "cpu",
@@ -66,22 +67,17 @@ def bench(model_path: Path, method: str, k: int, max_tokens: int, concurrency: i
     engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     result = {}
     for name, c in (("single", 1), (f"c={concurrency}", concurrency)):
-        before = (engine.spec_stats.drafts, engine.spec_stats.draft_tokens,
-                  engine.spec_stats.accepted_tokens, list(engine.spec_stats.accepted_at))
+        engine.spec_stats = SpecStats()  # this mode's counts alone
         outputs, seconds = run(engine, prompts, params, c)
         tokens = sum(map(len, outputs))
         entry = {"output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                  "outputs": outputs}
         if method:
             s = engine.spec_stats
-            drafts, proposed, accepted = (s.drafts - before[0], s.draft_tokens - before[1],
-                                          s.accepted_tokens - before[2])
-            at = [a - (before[3][i] if i < len(before[3]) else 0)
-                  for i, a in enumerate(s.accepted_at)]
-            entry.update(drafts=drafts, draft_tokens=proposed, accepted_tokens=accepted,
-                         acceptance_rate=accepted / max(proposed, 1),
-                         acceptance_per_position=[a / max(drafts, 1) for a in at],
-                         mean_accepted_length=1 + accepted / max(drafts, 1))
+            entry.update(drafts=s.drafts, draft_tokens=s.draft_tokens,
+                         accepted_tokens=s.accepted_tokens, acceptance_rate=s.acceptance_rate,
+                         acceptance_per_position=[a / max(s.drafts, 1) for a in s.accepted_at],
+                         mean_accepted_length=s.mean_accepted_length)
         result[name] = entry
     return result
 

@@ -125,14 +125,13 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(ROOT))
-    from tests.nllb_models import build_nllb, build_tokenizer
+    from tests.nllb_models import build_translator
 
     texts = sources(args.sentences)
     runs = {}
     with tempfile.TemporaryDirectory(prefix="heron-translation-") as tmp:
         path = Path(tmp) / "m2m100"
-        tok = build_tokenizer(path)
-        model = build_nllb(path, len(tok), eos_boost=args.eos_boost, **SHAPE)
+        tok, model = build_translator(path, eos_boost=args.eos_boost, **SHAPE)
         tgt_id = tok.convert_tokens_to_ids("fra_Latn")
         for workload in args.workloads:
             for beams in args.num_beams:

@@ -18,12 +18,11 @@ thread, before the next step can change them, and handed to the loop in one call
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from heron.core.engine import Engine
 from heron.core.logprobs import TokenLogprobs
@@ -397,7 +396,7 @@ class AsyncEngine:
         waiting_tokens = {s.request_id: s.num_prompt_tokens + len(s.encoder_token_ids)
                           for s in sched.waiting
                           if s.request_id not in running and s.request_id not in swapped}
-        cache = engine.prefix_cache
+        cache, spec = engine.prefix_cache, engine.spec_stats
         return EngineStats(
             num_requests_running=len(running), num_requests_waiting=len(waiting_tokens),
             num_kv_blocks_total=engine.num_kv_blocks,
@@ -410,7 +409,8 @@ class AsyncEngine:
             num_preemptions=sched.num_preemptions,
             prefix_cache_queried_tokens=sched.prefix_queried_tokens,
             prefix_cache_hit_tokens=sched.prefix_hit_tokens,
-            spec=(copy.deepcopy(engine.spec_stats) if engine.proposer is not None else None))
+            spec=(replace(spec, accepted_at=list(spec.accepted_at))  # record() mutates it
+                  if engine.proposer is not None else None))
 
     def _stop(self, request_id: str, reason: str, error: str | None) -> None:
         out = self.engine.abort(request_id)

@@ -499,7 +499,6 @@ class Engine:
         the last draft the target's next token is a bonus. Then roll back the KV of what
         was rejected."""
         drafts = {seq.seq_id: seq.draft_token_ids for seq, _ in drafted}
-        lengths = {seq.seq_id: len(seq.token_ids) for seq, _ in drafted}
         for seq, _ in drafted:
             seq.draft_token_ids = []
         active, position = drafted, 0
@@ -516,8 +515,8 @@ class Engine:
                     continue
                 accepted = position + matched
                 self.spec_stats.record(len(draft), accepted)
-                # valid KV: the tokens before the step, then the accepted drafts
-                seq.num_computed_tokens = lengths[seq.seq_id] + accepted
+                # the step computed every draft position: the rejected ones' KV is stale
+                seq.num_computed_tokens -= len(draft) - accepted
                 self.scheduler.rollback(seq)
                 if not live:
                     self._finish_seq(seq)

@@ -319,7 +319,9 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             if budget == 0 and not self._encoder_left(seq):
-                continue
+                if not self.encoder_stages:
+                    break  # nothing else runs without budget
+                continue  # running encoders still take a stage
             stages, cost = self._encoder_plan(seq, budget)
             num_tokens = self._chunk(seq, self._decoder_tokens(seq, stages, budget - cost))
             if seq.draft_token_ids:

@@ -96,3 +96,11 @@ def build_nllb(directory: Path, vocab_size: int, seed: int = 0, std: float = 0.1
         model.lm_head.weight[eos, 0] = eos_boost
     model.save_pretrained(directory)
     return model
+
+
+def build_translator(directory: Path, **kw) -> tuple[transformers.NllbTokenizer,
+                                                      transformers.M2M100ForConditionalGeneration]:
+    """The tiny tokenizer and a model over its vocabulary (``kw``: `build_nllb`'s), both
+    saved in ``directory``."""
+    tok = build_tokenizer(directory)
+    return tok, build_nllb(directory, len(tok), **kw)

@@ -11,7 +11,7 @@ import torch
 
 from heron.core.beam_search import BeamSearch
 from heron.plugins.nllb.model import NllbModel, SequenceKV
-from tests.nllb_models import build_nllb, build_tokenizer, corpus, heron_model
+from tests.nllb_models import build_translator, corpus, heron_model
 
 pytest.importorskip("sentencepiece")
 
@@ -25,8 +25,7 @@ MATRIX = [(b, lp, es, n) for b, lp, es, n in itertools.product(
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     directory = tmp_path_factory.mktemp("nllb")
-    tok = build_tokenizer(directory)
-    hf = build_nllb(directory, len(tok))
+    tok, hf = build_translator(directory)
     ours = heron_model(directory)
     words = " ".join(corpus(8, seed=1)).split()
     sources = [torch.tensor(tok(" ".join(words[:n])).input_ids) for n in NUM_WORDS]

@@ -13,7 +13,7 @@ import torch
 
 from heron.core import SamplingParams
 from tests.engine_utils import assert_no_leaks, make_engine, run_to_end
-from tests.nllb_models import build_nllb, build_tokenizer, corpus
+from tests.nllb_models import build_translator, corpus
 
 MAX_NEW_TOKENS = 20  # transformers' count: the forced target language is the first
 NUM_WORDS = (2, 8, 30)
@@ -25,8 +25,7 @@ PAD = 1
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     directory = tmp_path_factory.mktemp("nllb")
-    tok = build_tokenizer(directory)
-    hf = build_nllb(directory, len(tok))
+    tok, hf = build_translator(directory)
     words = " ".join(corpus(8, seed=1)).split()
     sources = [tok(" ".join(words[:n])).input_ids for n in NUM_WORDS]
     fra = tok.convert_tokens_to_ids("fra_Latn")

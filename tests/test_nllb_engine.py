@@ -10,7 +10,7 @@ import torch
 
 from heron.core import SamplingParams
 from tests.engine_utils import LogitsRecorder, assert_no_leaks, make_engine, run_to_end
-from tests.nllb_models import build_nllb, build_tokenizer, corpus
+from tests.nllb_models import build_translator, corpus
 from tests.tiny_models import build_tiny
 
 MAX_NEW_TOKENS = 20  # generate's count: the forced target language is the first of them
@@ -19,8 +19,7 @@ MAX_NEW_TOKENS = 20  # generate's count: the forced target language is the first
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     directory = tmp_path_factory.mktemp("nllb")
-    tok = build_tokenizer(directory)
-    hf = build_nllb(directory, len(tok))
+    tok, hf = build_translator(directory)
     words = " ".join(corpus(5, seed=1)).split()
     jobs = []  # (source ids, target language)
     for n, lang in ((3, "fra_Latn"), (8, "deu_Latn"), (20, "fra_Latn"), (12, "deu_Latn")):

@@ -8,7 +8,7 @@ import torch
 
 from heron.plugins.nllb.config import M2M100Config
 from heron.plugins.nllb.model import NllbModel, SequenceKV
-from tests.nllb_models import build_nllb, build_tokenizer, corpus, heron_model
+from tests.nllb_models import build_nllb, build_translator, corpus, heron_model
 
 pytest.importorskip("sentencepiece")
 
@@ -26,8 +26,7 @@ def _sources(tok) -> list[torch.Tensor]:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     directory = tmp_path_factory.mktemp("nllb")
-    tok = build_tokenizer(directory)
-    hf = build_nllb(directory, len(tok))
+    tok, hf = build_translator(directory)
     ours = heron_model(directory)
     return tok, hf, ours, _sources(tok)
 

@@ -15,7 +15,7 @@ import transformers
 from heron.core.config import ConfigError, load_config
 from heron.core.engine import Engine
 from heron.server.translation_jobs import check_language_defaults, translation_jobs
-from tests.nllb_models import LANGS, build_nllb, build_tokenizer, corpus
+from tests.nllb_models import LANGS, build_translator, corpus
 from tests.server_utils import ServerThread, server_config
 from tests.tiny_models import build_tiny
 
@@ -28,8 +28,7 @@ ENG, FRA, DEU = LANGS
 @pytest.fixture(scope="module")
 def nllb(tmp_path_factory):
     directory = tmp_path_factory.mktemp("nllb-server")
-    tok = build_tokenizer(directory)
-    hf = build_nllb(directory, len(tok))
+    tok, hf = build_translator(directory)
     return directory, hf
 
 

@@ -74,19 +74,19 @@ class NllbRunner(ModelRunner):
             rows = torch.tensor(active, device=dev)[chunk_of]
             attention = _packed_attention([n for n, a in zip(sizes, active) if a], scale, dev)
             x[rows] = model.encoder_layer(i, x[rows], attention)
-        done = torch.tensor([c.end == self.encoder_stages for c in chunks], device=dev)[chunk_of]
+        finished = [c.end == self.encoder_stages for c in chunks]
+        done = torch.tensor(finished, device=dev)[chunk_of]
         hidden[slot_of[~done], position[~done]] = x[~done]
-        if not bool(done.any()):
+        if not any(finished):
             return
         cross = states["cross_kv"]
         slots, positions = slot_of[done], position[done]
         for i, (k, v) in enumerate(model.cross_kv(model.encoder_output(x[done]))):
             cross[slots, i, 0, positions] = k
             cross[slots, i, 1, positions] = v
-        finished = [(c.slot, n) for c, n in zip(chunks, sizes) if c.end == self.encoder_stages]
-        lengths = states["cross_len"]
-        lengths[torch.tensor([s for s, _ in finished], device=dev), 0] = torch.tensor(
-            [n for _, n in finished], device=dev)
+        ended = [(c.slot, n) for c, n, f in zip(chunks, sizes, finished) if f]
+        ended_slots, ended_sizes = (torch.tensor(t, device=dev) for t in zip(*ended))
+        states["cross_len"][ended_slots, 0] = ended_sizes
 
     def _batched_cross_attention(self, slots: list[int], sources: list[int], scale: float):
         """Cross-attention for one query row per sequence, one call per layer. When most
