@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -12,6 +13,9 @@ from tqdm import tqdm
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's weight files (``model_dir`` may be one ``.safetensors`` file)."""
+    if model_dir.is_file():
+        return [model_dir]
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -22,8 +26,10 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_safetensors(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, cast to ``dtype``, on the CPU."""
+def load_safetensors(model_dir: Path, dtype: torch.dtype,
+                     keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint (those whose names ``keep`` accepts), cast to
+    ``dtype``, on the CPU; integer tensors keep their type."""
     tensors: dict[str, torch.Tensor] = {}
     files = safetensors_files(model_dir)
     with tqdm(total=len(files), desc="loading weights", unit="file",
@@ -31,6 +37,8 @@ def load_safetensors(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Ten
         for path in files:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
-                    tensors[name] = f.get_tensor(name).to(dtype)
+                    if keep is None or keep(name):
+                        t = f.get_tensor(name)
+                        tensors[name] = t.to(dtype) if t.is_floating_point() else t
             bar.update()
     return tensors

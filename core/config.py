@@ -185,10 +185,13 @@ class LoraConfig(_Section):
 
 
 class SpeculativeConfig(_Section):
-    """``method``: a registered proposer (built in: ``"ngram"``, prompt lookup); "" is off.
-    ``prompt_lookup_min`` / ``prompt_lookup_max``: the n-gram sizes ``ngram`` matches."""
+    """``method``: a registered proposer (built in: ``"ngram"``, prompt lookup; ``"mtp"``,
+    a multi-token-prediction head); "" is off. ``model``: where ``mtp`` finds the head's
+    weights ("" = the model's own checkpoint). ``prompt_lookup_min`` /
+    ``prompt_lookup_max``: the n-gram sizes ``ngram`` matches."""
 
     method: str = ""
+    model: str = ""
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4

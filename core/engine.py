@@ -119,7 +119,10 @@ class Engine:
             self.graphs = DecodeGraphs(self.runner.forward, max_num_seqs=engine.max_num_seqs,
                                        max_context_len=self.max_model_len,
                                        block_size=engine.block_size, device=self.device)
-        self.proposer = self._build_proposer(stateless)
+        self.proposer: Proposer | None = None
+        proposer = self._build_proposer(stateless)
+        if proposer is not None:
+            self.set_proposer(proposer)
         self.spec_stats = SpecStats()
         self._requests: dict[str, RequestState] = {}
         self._by_seq: dict[int, RequestState] = {}
@@ -144,7 +147,15 @@ class Engine:
             raise ValueError(f"speculative decoding is not available for model "
                              f"{self.runner.info.name!r}: its family keeps per-sequence "
                              "states, which rejected drafts would have to roll back")
-        return build(spec, self.runner)
+        return build(self.config, self.runner)
+
+    def set_proposer(self, proposer: Proposer) -> None:
+        """Draft with ``proposer`` from the next step on (one built from the config is set
+        at start-up)."""
+        if proposer.needs_hidden_states:
+            self.runner.keep_hidden_states = True
+            self.graphs = None  # replays would not leave the hidden states
+        self.proposer = proposer
 
     # -- adapters ------------------------------------------------------------------------
 
@@ -392,6 +403,8 @@ class Engine:
                 logits = self.graphs.run(batch)
             else:
                 logits = self.runner.forward(batch)
+            if self.proposer is not None and self.proposer.needs_hidden_states:
+                self._observe(decoding)
         except Exception as e:
             log.exception("model step failed")
             for item in encoding:
@@ -425,6 +438,16 @@ class Engine:
             if seq.params.max_tokens is not None:
                 room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
             seq.draft_token_ids = list(drafts[:max(0, room)])
+
+    def _observe(self, decoding) -> None:
+        """Each sequence's rows of the final hidden states, to the proposer."""
+        hidden, row = self.runner.hidden_states, 0
+        for item in decoding:
+            seq = item.seq
+            if seq.params.speculative and seq.params.num_beams == 1:
+                self.proposer.observe(seq, seq.num_computed_tokens,
+                                      hidden[row:row + item.num_tokens])
+            row += item.num_tokens
 
     def _run_encoder(self, encoding) -> None:
         chunks = []
@@ -576,6 +599,9 @@ class Engine:
         self.scheduler.cache_computed(parent)  # shared blocks must be cached ones (paths)
         copies = [c for child in state.unforked
                   if (c := self.scheduler.fork(parent, child)) is not None]
+        if self.proposer is not None:
+            for child in state.unforked:
+                self.proposer.fork_sequence(parent, child)
         copy_blocks(self.cache.kv, self.cache.kv, copies)
         state.unforked = []
 

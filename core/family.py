@@ -90,6 +90,11 @@ class ModelRunner(ABC):
     #: whole source; the scheduler charges a stage ``len(source) / encoder_stages`` tokens
     #: of a step's budget, so a long source's encoder spreads over several steps.
     encoder_stages: int = 1
+    #: Set by the engine when its speculative proposer drafts from hidden states; a family
+    #: that supports this then leaves, after each `forward`, the final hidden states (after
+    #: the last norm, what the LM head reads) of every row of the batch in `hidden_states`.
+    keep_hidden_states: bool = False
+    hidden_states: torch.Tensor | None = None
 
     @abstractmethod
     def cache_spec(self) -> CacheSpec:

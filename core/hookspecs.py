@@ -70,7 +70,8 @@ def heron_register_proposers(register):
     Called once when the plugin manager starts. Must be cheap.
 
     :param register: call ``register(name, build)`` per proposer, where
-        ``build(config, runner)`` gets the `heron.core.config.SpeculativeConfig` and the
-        loaded `ModelRunner`, and returns a `Proposer`, or raises ValueError saying why
-        it cannot serve this model.
+        ``build(config, runner)`` gets the engine's `heron.core.config.Config` (its
+        ``speculative`` section holds the proposer's settings) and the loaded
+        `ModelRunner`, and returns a `Proposer`, or raises ValueError saying why it cannot
+        serve this model.
     """

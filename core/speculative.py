@@ -27,17 +27,37 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+import torch
+
 from heron.core.sequence import Sequence
 
 
 class Proposer(ABC):
     """Drafts tokens for decoding sequences. Registered by plugins
-    (``heron_register_proposers``); built once per engine."""
+    (``heron_register_proposers``); built once per engine.
+
+    A proposer that drafts from the target model's hidden states (an MTP head) sets
+    `needs_hidden_states`: the engine then asks the runner to keep them
+    (``ModelRunner.keep_hidden_states``) and hands each step's rows to `observe`.
+    """
+
+    needs_hidden_states: bool = False
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], k: int) -> list[list[int]]:
         """Up to ``k`` draft tokens to follow each sequence's ``token_ids`` (``[]``: none
         this step). Must not mutate the sequences."""
+
+    def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        """The target's final hidden states ``hidden [n, hidden_size]`` of ``seq``'s
+        positions ``start .. start + n - 1``, computed this step (called after the forward
+        pass, before verification: positions past the drafts accepted are rolled back, and
+        ``seq.num_computed_tokens`` says how many are valid when `propose` next runs). Only
+        with `needs_hidden_states`."""
+
+    def fork_sequence(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` starts as a copy of ``parent`` (a sibling of ``n > 1`` taking the
+        prompt its parent computed)."""
 
     def free_sequence(self, seq: Sequence) -> None:
         """Forget what the proposer keeps for ``seq`` (it finished, aborted or was

@@ -33,6 +33,11 @@ def pack_weight(w: torch.Tensor | None) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
 
 
+def unpack_weight(w: torch.Tensor) -> torch.Tensor:
+    """A plain tensor with the values of a `pack_weight`-ed (or plain) ``w``."""
+    return w.to_dense() if w.is_mkldnn else w
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [T, in] @ w.T + bias`` for a plain or `pack_weight`-ed ``w``."""
     if w.is_mkldnn:

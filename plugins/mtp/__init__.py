@@ -1,1 +1,1 @@
-"""Speculative-decoding proposers: prompt lookup (n-gram)."""
+"""Speculative-decoding proposers: prompt lookup (n-gram) and MTP heads."""

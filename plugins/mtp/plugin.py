@@ -1,4 +1,5 @@
-"""Registers the speculative-decoding proposers of this package."""
+"""Registers the speculative-decoding proposers of this package: prompt lookup (``ngram``)
+and multi-token-prediction heads (``mtp``)."""
 
 from heron.core.hookspecs import hookimpl
 
@@ -6,8 +7,30 @@ from heron.core.hookspecs import hookimpl
 @hookimpl
 def heron_register_proposers(register):
     register("ngram", _build_ngram)
+    register("mtp", _build_mtp)
 
 
 def _build_ngram(config, runner):
     from heron.plugins.mtp.ngram import NgramProposer
-    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    spec = config.speculative
+    return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+
+def _build_mtp(config, runner):
+    from pathlib import Path
+
+    from heron.plugins.mtp.drafter import MtpProposer
+    from heron.plugins.mtp.weights import load_mtp
+    from heron.plugins.transformer.runner import TransformerRunner
+    if not isinstance(runner, TransformerRunner):
+        raise ValueError("speculative method 'mtp' drafts for transformer-family models; "
+                         f"model {runner.info.name!r} is not one")
+    path = config.speculative.model or config.model.path
+    if not path or Path(path).suffix == ".gguf":
+        raise ValueError("speculative method 'mtp' needs MTP weights: set [speculative] "
+                         "model to a safetensors file or directory that holds them (the "
+                         "model's own checkpoint is used when it is one)")
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ValueError(f"[speculative] model {str(path)!r} does not exist")
+    return MtpProposer(load_mtp(path, runner.model), runner.model)

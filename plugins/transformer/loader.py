@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -25,11 +26,12 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
     if source.suffix == ".gguf":
         from heron.plugins.transformer.gguf_loader import load_gguf
         hf_config, tensors, tokenizer = load_gguf(source)
+        cfg = TransformerConfig.from_hf(hf_config)
     else:
-        hf_config = json.loads((source / "config.json").read_text())
-        tensors = load_safetensors(source, torch.float32)
+        cfg = TransformerConfig.from_hf(json.loads((source / "config.json").read_text()))
+        tensors = load_safetensors(source, torch.float32,
+                                   keep=lambda name: not _is_mtp(name, cfg.num_layers))
         tokenizer = Tokenizer.from_hf_dir(source)
-    cfg = TransformerConfig.from_hf(hf_config)
     model = TransformerModel(cfg, tensors, device, dtype)
     del tensors
     if model.unused_tensors:
@@ -37,3 +39,13 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
     info = ModelInfo.of_checkpoint(source.name, cfg.vocab_size, cfg.max_position_embeddings,
                                    cfg.eos_token_ids, tokenizer, dtype, device)
     return LoadedModel(TransformerRunner(model, info), tokenizer)
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _is_mtp(name: str, num_layers: int) -> bool:
+    """A multi-token-prediction module's tensor (``heron.plugins.mtp`` reads those): a
+    layer past the last (DeepSeek-V3) or under ``mtp.`` (Qwen3-Next)."""
+    m = _LAYER.match(name)
+    return name.startswith("mtp.") or (m is not None and int(m.group(1)) >= num_layers)

@@ -129,13 +129,35 @@ def gated_mlp(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     return out
 
 
+def load_layer(w: Weights, p: str, cfg: TransformerConfig) -> LayerWeights:
+    """The decoder layer whose HF tensors start with ``p`` (``model.layers.3.``)."""
+    attn, mlp = p + "self_attn.", p + "mlp."
+    qkv_names = [attn + f"{n}_proj" for n in "qkv"]
+    return LayerWeights(
+        input_norm=w.take(p + "input_layernorm.weight"),
+        attn=AttentionWeights(
+            qkv=pack_weight(w.cat([n + ".weight" for n in qkv_names])),
+            qkv_bias=w.cat([n + ".bias" for n in qkv_names]) if cfg.qkv_bias else None,
+            o=pack_weight(w.take(attn + "o_proj.weight")),
+            o_bias=w.take(attn + "o_proj.bias") if cfg.o_bias else None,
+            q_norm=w.take(attn + "q_norm.weight") if cfg.qk_norm else None,
+            k_norm=w.take(attn + "k_norm.weight") if cfg.qk_norm else None),
+        post_norm=w.take(p + "post_attention_layernorm.weight"),
+        gate_up=pack_weight(w.cat([mlp + "gate_proj.weight", mlp + "up_proj.weight"])),
+        gate_up_bias=(w.cat([mlp + "gate_proj.bias", mlp + "up_proj.bias"])
+                      if cfg.mlp_bias else None),
+        down=pack_weight(w.take(mlp + "down_proj.weight")),
+        down_bias=w.take(mlp + "down_proj.bias") if cfg.mlp_bias else None,
+    )
+
+
 class TransformerModel:
     def __init__(self, cfg: TransformerConfig, tensors: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype) -> None:
         self.cfg = cfg
         w = Weights(dict(tensors), device, dtype)
         self.embed = w.take("model.embed_tokens.weight")
-        self.layers = [self._layer(w, f"model.layers.{i}.") for i in range(cfg.num_layers)]
+        self.layers = [load_layer(w, f"model.layers.{i}.", cfg) for i in range(cfg.num_layers)]
         self.final_norm = w.take("model.norm.weight")
         lm_head = w.take("lm_head.weight", required=not cfg.tie_word_embeddings)
         self.lm_head = pack_weight(lm_head if lm_head is not None else self.embed)
@@ -145,29 +167,11 @@ class TransformerModel:
                                     cfg.head_dim ** -0.5, cfg.rms_norm_eps)
         self.unused_tensors = sorted(k for k in w.tensors if "rotary_emb" not in k)
 
-    def _layer(self, w: Weights, p: str) -> LayerWeights:
-        cfg = self.cfg
-        attn, mlp = p + "self_attn.", p + "mlp."
-        qkv_names = [attn + f"{n}_proj" for n in "qkv"]
-        return LayerWeights(
-            input_norm=w.take(p + "input_layernorm.weight"),
-            attn=AttentionWeights(
-                qkv=pack_weight(w.cat([n + ".weight" for n in qkv_names])),
-                qkv_bias=w.cat([n + ".bias" for n in qkv_names]) if cfg.qkv_bias else None,
-                o=pack_weight(w.take(attn + "o_proj.weight")),
-                o_bias=w.take(attn + "o_proj.bias") if cfg.o_bias else None,
-                q_norm=w.take(attn + "q_norm.weight") if cfg.qk_norm else None,
-                k_norm=w.take(attn + "k_norm.weight") if cfg.qk_norm else None),
-            post_norm=w.take(p + "post_attention_layernorm.weight"),
-            gate_up=pack_weight(w.cat([mlp + "gate_proj.weight", mlp + "up_proj.weight"])),
-            gate_up_bias=(w.cat([mlp + "gate_proj.bias", mlp + "up_proj.bias"])
-                          if cfg.mlp_bias else None),
-            down=pack_weight(w.take(mlp + "down_proj.weight")),
-            down_bias=w.take(mlp + "down_proj.bias") if cfg.mlp_bias else None,
-        )
-
-    def forward(self, batch: Batch, cache: CacheTensors) -> torch.Tensor:
-        """Logits (float32) for ``batch.logits_indices``; writes every token's KV."""
+    def forward(self, batch: Batch, cache: CacheTensors,
+                hidden_out: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits (float32) for ``batch.logits_indices``; writes every token's KV.
+        ``hidden_out``: a list that receives the final hidden states (after the last norm)
+        of every row, for a drafter that reads them."""
         eps = self.cfg.rms_norm_eps
         x = F.embedding(batch.input_ids, self.embed)
         loras = layer_loras(cache.lora, cache.lora_scaling, batch.lora_groups,
@@ -185,6 +189,10 @@ class TransformerModel:
             x = gated_mlp(h, layer.gate_up, layer.down, layer.gate_up_bias, layer.down_bias,
                           loras[i])
         rows = batch.logits_indices
+        if hidden_out is not None:
+            h, _ = rms_norm(x, self.final_norm, eps, residual)
+            hidden_out.append(h)
+            return linear(h.index_select(0, rows), self.lm_head).float()
         h, _ = rms_norm(x.index_select(0, rows), self.final_norm, eps,
                         residual.index_select(0, rows))
         return linear(h, self.lm_head).float()

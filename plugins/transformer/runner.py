@@ -38,4 +38,9 @@ class TransformerRunner(ModelRunner):
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
-        return self.model.forward(batch, self.cache)
+        if not self.keep_hidden_states:
+            return self.model.forward(batch, self.cache)
+        hidden: list[torch.Tensor] = []
+        logits = self.model.forward(batch, self.cache, hidden)
+        self.hidden_states = hidden[0]
+        return logits

@@ -1,0 +1,195 @@
+"""Drafting with a multi-token-prediction (MTP) module on the target's hidden states.
+
+The MTP module at position ``j`` reads the target's final hidden state ``h_j`` and the
+embedding of the token after it, ``t_{j+1}``, runs one decoder layer (attending over its
+own earlier positions) and predicts ``t_{j+2}``. After each step the engine hands the
+proposer the hidden states the target computed (`observe`); at the next step `propose`
+runs the module over the positions verified since (``j`` up to the last computed one,
+paired with the tokens the target emitted), which yields the first draft, then chains the
+module on its own output ``k - 1`` times, the previous draft as the next token.
+
+Each sequence keeps the module's K/V for its verified positions in tensors of its own
+(`_Cache`): one layer, so a few KB per token; the chained drafts' K/V are dropped again
+after proposing. Positions the target did not compute (a prefix-cache hit, a sibling's
+prompt before its fork copied the parent's cache) have no hidden state: the module then
+starts at the first one it has, which makes drafts weaker there, never outputs different.
+
+LoRA: the module runs without adapters; the hidden states it reads are the target's under
+the request's adapter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from heron.core import Sequence
+from heron.core.ops import linear, rms_norm, rotary
+from heron.core.speculative import Proposer
+from heron.plugins.mtp.weights import MtpWeights
+from heron.plugins.transformer.model import TransformerModel, gated_mlp
+
+
+@dataclass
+class _Cache:
+    """One sequence's MTP state: K/V ``[capacity, Hkv, D]`` of positions ``start ..
+    start + length - 1``, then target hidden states of the next positions not yet run."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    start: int
+    length: int = 0
+    pending: torch.Tensor | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        need = self.length + k.shape[0]
+        if need > self.k.shape[0]:
+            grow = max(need, 2 * self.k.shape[0])
+            self.k = torch.cat([self.k[:self.length], self.k.new_empty(grow - self.length,
+                                                                      *self.k.shape[1:])])
+            self.v = torch.cat([self.v[:self.length], self.v.new_empty(grow - self.length,
+                                                                      *self.v.shape[1:])])
+        self.k[self.length:need] = k
+        self.v[self.length:need] = v
+        self.length = need
+
+    def copy(self) -> _Cache:
+        return _Cache(self.k.clone(), self.v.clone(), self.start, self.length, self.pending)
+
+
+class MtpProposer(Proposer):
+    needs_hidden_states = True
+
+    def __init__(self, weights: MtpWeights, model: TransformerModel) -> None:
+        self.w, self.model = weights, model
+        self.shape = model.shape
+        self.caches: dict[int, _Cache] = {}
+
+    # -- what the target computed ---------------------------------------------------------
+
+    def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        cache = self.caches.get(seq.seq_id)
+        pending_start = cache.end if cache is not None else start
+        have = 0 if cache is None or cache.pending is None else cache.pending.shape[0]
+        if cache is None or not cache.start <= start <= pending_start + have:
+            self.caches[seq.seq_id] = self._new_cache(start, hidden)
+            return
+        if start < pending_start:  # positions it ran are being recomputed: run them again
+            cache.length, cache.pending = start - cache.start, None
+            pending_start, have = start, 0
+        kept = cache.pending[:start - pending_start] if have else hidden[:0]
+        cache.pending = torch.cat([kept, hidden])
+
+    def _new_cache(self, start: int, hidden: torch.Tensor) -> _Cache:
+        s = self.shape
+        empty = hidden.new_empty(64, s.num_kv_heads, s.head_dim)
+        return _Cache(empty, empty.clone(), start, pending=hidden)
+
+    def fork_sequence(self, parent: Sequence, child: Sequence) -> None:
+        cache = self.caches.get(parent.seq_id)
+        if cache is not None:
+            self.caches[child.seq_id] = cache.copy()
+
+    def free_sequence(self, seq: Sequence) -> None:
+        self.caches.pop(seq.seq_id, None)
+
+    # -- drafting -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], k: int) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in seqs]
+        ready, hidden, tokens, positions = [], [], [], []
+        for i, seq in enumerate(seqs):
+            cache = self.caches.get(seq.seq_id)
+            computed = seq.num_computed_tokens
+            if cache is None or cache.pending is None:
+                continue
+            n = computed - cache.end  # verified positions not yet run, their states held
+            if n < 1 or n > cache.pending.shape[0]:
+                continue
+            ready.append((i, cache, n))
+            hidden.append(cache.pending[:n])
+            tokens += seq.token_ids[cache.end + 1:computed + 1]
+            positions.append(torch.arange(cache.end, computed))
+            cache.pending = None
+        if not ready:
+            return drafts
+        device = hidden[0].device
+        caches, sizes = [c for _, c, _ in ready], [n for _, _, n in ready]
+        positions = torch.cat(positions).to(device)
+        out = self._run(torch.cat(hidden), torch.tensor(tokens, device=device), positions,
+                        caches, sizes)
+        last = torch.tensor(sizes, device=device).cumsum(0) - 1
+        state, token = self._next(out.index_select(0, last))
+        position = positions.index_select(0, last) + 1
+        verified = [c.length for c in caches]
+        for step in range(k):
+            for (i, _, _), t in zip(ready, token.tolist()):
+                drafts[i].append(t)
+            if step + 1 == k:
+                break
+            out = self._run(state, token, position, caches, [1] * len(caches))
+            state, token = self._next(out)
+            position = position + 1
+        for cache, length in zip(caches, verified):  # drafts' K/V: not the sequence's
+            cache.length = length
+        return drafts
+
+    def _next(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The state chained to the next position and the greedy draft token, from the
+        layer's output rows."""
+        w, eps = self.w, self.model.cfg.rms_norm_eps
+        normed, _ = rms_norm(out, w.out_norm, eps)
+        best = linear(normed, w.head).argmax(-1)
+        if w.draft_token_ids is not None:
+            best = w.draft_token_ids.index_select(0, best)
+        return (out if w.deepseek else normed), best
+
+    def _run(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+             caches: list[_Cache], sizes: list[int]) -> torch.Tensor:
+        """The module's layer output (before its final norm) for rows pairing ``hidden`` with
+        the embedding of ``tokens`` at ``positions``; ``sizes[i]`` rows for ``caches[i]``,
+        whose K/V the rows append to and attend over."""
+        w, cfg, s = self.w, self.model.cfg, self.shape
+        eps = cfg.rms_norm_eps
+        e = F.embedding(tokens, w.embed)
+        if w.deepseek:
+            e = e.masked_fill((positions == 0)[:, None], 0.0)
+        e, _ = rms_norm(e, w.embed_norm, eps)
+        h, _ = rms_norm(hidden, w.hidden_norm, eps)
+        x = linear(torch.cat([e, h], dim=-1), w.proj)
+        layer = w.layer
+        h, _ = rms_norm(x, layer.input_norm, eps)
+        qkv = linear(h, layer.attn.qkv, layer.attn.qkv_bias)
+        q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+        q = q.reshape(-1, s.num_heads, s.head_dim)
+        k = k.reshape(-1, s.num_kv_heads, s.head_dim)
+        v = v.reshape(-1, s.num_kv_heads, s.head_dim)
+        if layer.attn.q_norm is not None:
+            q, _ = rms_norm(q, layer.attn.q_norm, s.eps)
+            k, _ = rms_norm(k, layer.attn.k_norm, s.eps)
+        q, k = rotary(q, k, positions, self.model.cos_sin)
+        o = torch.empty_like(q)
+        row = 0
+        for cache, n in zip(caches, sizes):
+            cache.append(k[row:row + n], v[row:row + n])
+            keys = cache.k[:cache.length].transpose(0, 1)
+            values = cache.v[:cache.length].transpose(0, 1)
+            mask = None
+            if n > 1:  # row j sees the cached positions and the new rows up to j
+                mask = torch.ones(n, cache.length, dtype=torch.bool, device=q.device).tril(
+                    cache.length - n)
+            o[row:row + n] = F.scaled_dot_product_attention(
+                q[row:row + n].transpose(0, 1), keys, values, attn_mask=mask, scale=s.scale,
+                enable_gqa=True).transpose(0, 1)
+            row += n
+        x = x + linear(o.reshape(-1, s.q_size), layer.attn.o, layer.attn.o_bias)
+        h, _ = rms_norm(x, layer.post_norm, eps)
+        return x + gated_mlp(h, layer.gate_up, layer.down, layer.gate_up_bias,
+                             layer.down_bias)

@@ -1,0 +1,207 @@
+"""Training an MTP head for a transformer model by self-distillation (``heron train-mtp``).
+
+1. heron generates answers to a few thousand prompts with the model itself (greedy, the
+   prefix cache off), keeping the final hidden state the model computed at every position
+   (`HiddenRecorder`, a proposer that drafts nothing).
+2. The draft vocabulary is the generated text's most frequent tokens (`draft_vocabulary`).
+3. `MtpModule`, its decoder layer started from the model's last layer, learns to predict
+   token ``j + 2`` from ``(h_j, t_{j+1})``: the loss is the cross-entropy against the
+   model's own next-token distribution at ``j + 1`` (over the draft vocabulary), on the
+   generated positions only.
+4. The head is written in the DeepSeek-V3 layout, one file, for ``[speculative] model``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from heron.core import Sequence
+from heron.core.speculative import Proposer
+from heron.plugins.mtp.module import MtpModule
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sample:
+    tokens: list[int]        # prompt and output
+    hidden: torch.Tensor     # [len(tokens) - 1, H]: the final hidden state at each position
+    num_prompt_tokens: int
+
+
+class HiddenRecorder(Proposer):
+    """Keeps every sequence's final hidden states; drafts nothing."""
+
+    needs_hidden_states = True
+
+    def __init__(self) -> None:
+        self.seqs: dict[int, Sequence] = {}
+        self.rows: dict[int, dict[int, torch.Tensor]] = {}
+
+    def propose(self, seqs, k):
+        return [[] for _ in seqs]
+
+    def observe(self, seq, start, hidden):
+        self.seqs[seq.seq_id] = seq
+        rows = self.rows.setdefault(seq.seq_id, {})
+        for i, row in enumerate(hidden.clone()):
+            rows[start + i] = row
+
+    def samples(self) -> list[Sample]:
+        out = []
+        for seq_id, seq in self.seqs.items():
+            rows = self.rows[seq_id]
+            n = len(seq.token_ids) - 1
+            if n < 2 or any(j not in rows for j in range(n)):
+                continue
+            out.append(Sample(list(seq.token_ids), torch.stack([rows[j] for j in range(n)]),
+                              seq.num_prompt_tokens))
+        return out
+
+
+def generate_samples(engine, prompts: list[str], max_tokens: int) -> list[Sample]:
+    """The model's greedy answers to ``prompts`` with their hidden states."""
+    from heron.core import SamplingParams
+    recorder = HiddenRecorder()
+    engine.set_proposer(recorder)
+    engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return recorder.samples()
+
+
+def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` tokens most frequent in the samples' outputs (then prompts), ids
+    ascending."""
+    counts = Counter()
+    for s in samples:
+        counts.update(s.tokens[s.num_prompt_tokens:])
+    ranked = [t for t, _ in counts.most_common(size)]
+    if len(ranked) < size:
+        prompt_counts = Counter(t for s in samples for t in s.tokens)
+        ranked += [t for t, _ in prompt_counts.most_common() if t not in set(ranked)]
+        ranked += [t for t in range(vocab_size) if t not in set(ranked)]
+    return torch.tensor(sorted(ranked[:size]))
+
+
+def _batches(samples: list[Sample], batch_size: int, rng: random.Random):
+    """Samples of similar lengths together, right-padded (causal: padding never reaches
+    the positions before it)."""
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].tokens))
+    groups = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    rng.shuffle(groups)
+    return [[samples[i] for i in g] for g in groups]
+
+
+def chain_mask(depths: int, length: int) -> torch.Tensor:
+    """Attention among ``depths`` blocks of ``length`` rows: block 0 is the module run on
+    the target's hidden states at positions ``0 .. length - 1``, block ``a`` the ``a``-th
+    chained draft after each of them (row ``i`` at position ``i + a``). As when drafting,
+    row ``i`` of block ``a`` sees block 0's rows up to ``i`` (the verified positions' K/V)
+    and row ``i`` of blocks ``1 .. a`` (its own chain); True: attends."""
+    i = torch.arange(length)
+    causal = i[None, :] <= i[:, None]
+    same = torch.eye(length, dtype=torch.bool)
+    rows = [torch.cat([causal] + [same if b <= a else torch.zeros_like(same)
+                                  for b in range(1, depths)], dim=1) for a in range(depths)]
+    return torch.cat(rows, dim=0)
+
+
+def train(module: MtpModule, samples: list[Sample], epochs: int, lr: float = 1e-3,
+          batch_size: int = 16, depth: int = 3, seed: int = 0) -> list[float]:
+    """Fit ``module``; returns the mean loss of each epoch.
+
+    Drafting chains the module on its own output, so it learns to: chained depth ``a``
+    (of ``depth``) reads depth ``a - 1``'s output (`MtpModule.chained`) one position on,
+    with the true token there, attends as drafting does (`chain_mask`) and predicts one
+    token further; every depth's loss counts. The loss is the cross-entropy against the
+    model's own next-token distribution over the draft vocabulary."""
+    rng = random.Random(seed)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    steps = epochs * math.ceil(len(samples) / batch_size)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps,
+                                                pct_start=0.1)
+    losses = []
+    module.train()
+    for epoch in range(epochs):
+        total, count = 0.0, 0
+        for group in _batches(samples, batch_size, rng):
+            m = max(len(s.tokens) for s in group) - 2  # pairs j = 0 .. m - 1 of depth 0
+            # padded so that every depth's rows index in range
+            hidden = torch.zeros(len(group), m + depth, module.head.shape[1])
+            tokens = torch.zeros(len(group), m + depth + 1, dtype=torch.long)
+            for b, s in enumerate(group):
+                hidden[b, :len(s.tokens) - 1] = s.hidden
+                tokens[b, :len(s.tokens)] = torch.tensor(s.tokens)
+            lengths = torch.tensor([len(s.tokens) for s in group])[:, None]
+            prompts = torch.tensor([s.num_prompt_tokens for s in group])[:, None]
+            loss, num = 0.0, 0
+            inputs, words, positions = [hidden[:, :m]], [], []
+            for a in range(depth):
+                words.append(tokens[:, 1 + a:1 + a + m])
+                positions.append(torch.arange(a, a + m))
+                out = module(torch.cat(inputs, 1), torch.cat(words, 1), torch.cat(positions),
+                             chain_mask(a + 1, m))[:, a * m:]
+                predicted = torch.arange(a + 2, a + 2 + m)[None]  # the token each predicts
+                mask = (predicted >= prompts) & (predicted < lengths)
+                if not mask.any():
+                    break
+                with torch.no_grad():  # the model's own distribution over that token
+                    teacher = hidden[:, 1 + a:1 + a + m][mask]
+                    target = torch.softmax(F.linear(teacher, module.head), -1)
+                loss = loss + F.cross_entropy(module.logits(out[mask]), target,
+                                              reduction="sum")
+                num += int(mask.sum())
+                inputs.append(module.chained(out))
+            loss = loss / num
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            total, count = total + loss.item() * num, count + num
+        losses.append(total / max(count, 1))
+        log.info("epoch %d: loss %.4f", epoch + 1, losses[-1])
+    module.eval()
+    return losses
+
+
+def new_module(hf_config, model, draft_ids: torch.Tensor | None) -> MtpModule:
+    """An `MtpModule` for heron's loaded transformer ``model`` (its embedding and head
+    shared, frozen), its layer a copy of the model's last layer, ``eh_proj`` passing the
+    hidden state through."""
+    from heron.core.ops.linear import unpack_weight
+    head = model.embed if model.cfg.tie_word_embeddings else unpack_weight(model.lm_head)
+    if draft_ids is not None:
+        head = head[draft_ids]
+    module = MtpModule(hf_config, model.embed, head, draft_ids)
+    with torch.no_grad():
+        hidden = module.eh_proj.weight.shape[0]
+        module.eh_proj.weight.zero_()
+        module.eh_proj.weight[:, hidden:] = torch.eye(hidden)
+        module.eh_proj.weight[:, :hidden] = 0.1 * torch.eye(hidden)
+        last = model.layers[-1]
+        layer = module.layer
+        attn = layer.self_attn
+        q, kv = model.shape.q_size, model.shape.kv_size
+        qkv = unpack_weight(last.attn.qkv)
+        attn.q_proj.weight.copy_(qkv[:q])
+        attn.k_proj.weight.copy_(qkv[q:q + kv])
+        attn.v_proj.weight.copy_(qkv[q + kv:])
+        attn.o_proj.weight.copy_(unpack_weight(last.attn.o))
+        gate_up = unpack_weight(last.gate_up)
+        inter = gate_up.shape[0] // 2
+        layer.mlp.gate_proj.weight.copy_(gate_up[:inter])
+        layer.mlp.up_proj.weight.copy_(gate_up[inter:])
+        layer.mlp.down_proj.weight.copy_(unpack_weight(last.down))
+        layer.input_layernorm.weight.copy_(last.input_norm)
+        layer.post_attention_layernorm.weight.copy_(last.post_norm)
+        module.out_norm.weight.copy_(model.final_norm)
+    return module

@@ -1,0 +1,195 @@
+"""MTP drafting on a tiny Llama: heads in both checkpoint layouts, held against a reference
+module built from transformers' own layers, trained by self-distillation, and lossless.
+
+The head is trained here the way ``heron train-mtp`` trains one (on the model's own greedy
+outputs and hidden states), so that drafts are often right and often wrong; a random head's
+drafts are almost never accepted.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from heron.core.sampling_params import SamplingParams
+from heron.plugins.mtp.module import MtpModule
+from heron.plugins.mtp.train import chain_mask, generate_samples, new_module, train
+from tests.engine_utils import assert_no_leaks, make_engine, run_to_end
+from tests.tiny_models import build_tiny
+
+MTP = {"speculative.method": "mtp", "speculative.num_speculative_tokens": 3}
+
+
+def random_prompts(num: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (int(torch.randint(4, 40, (1,), generator=g)),),
+                          generator=g).tolist() for _ in range(num)]
+
+
+# A random model's greedy text has no structure a head could learn in general, so the
+# head learns these prompts' continuations, and the tests draft for these prompts.
+PROMPTS = random_prompts(16, seed=1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama whose checkpoint holds a trained MTP head (DeepSeek-V3 layout)."""
+    path = tmp_path_factory.mktemp("llama-mtp")
+    hf = build_tiny("llama", path)
+    engine = make_engine(path, **{"prefix_cache.enabled": False})
+    samples = generate_samples(engine, PROMPTS, max_tokens=40)
+    torch.manual_seed(0)
+    module = new_module(hf.config, engine.runner.model, None)
+    losses = train(module, samples, epochs=150, lr=1e-2, batch_size=8, depth=3)
+    assert losses[-1] < 0.6 * losses[0]
+    module.save(path / "mtp.safetensors", hf.config.num_hidden_layers)
+    return path, hf, module
+
+
+def with_head(tmp_path, tiny, module: MtpModule):
+    """A copy of the tiny model's directory whose MTP head is ``module``."""
+    path, hf, _ = tiny
+    shutil.copytree(path, tmp_path / "m")
+    module.save(tmp_path / "m" / "mtp.safetensors", hf.config.num_hidden_layers)
+    return tmp_path / "m"
+
+
+class DraftRecorder:
+    """Calls through to the engine's proposer; keeps each sequence's tokens and the drafts
+    proposed after them."""
+
+    def __init__(self, engine) -> None:
+        self.inner, self.calls = engine.proposer, []
+        engine.proposer = self
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, seqs, k):
+        drafts = self.inner.propose(seqs, k)
+        self.calls += [(list(s.token_ids), d) for s, d in zip(seqs, drafts)]
+        return drafts
+
+
+@torch.no_grad()
+def reference_drafts(hf, module: MtpModule, tokens: list[int], k: int) -> list[int]:
+    """Drafts after ``tokens`` (the last not yet computed) from transformers' hidden states
+    and the reference module, chaining by rerunning the whole sequence of pairs."""
+    hidden = hf.model(torch.tensor([tokens[:-1]])).last_hidden_state
+    pairs = torch.tensor([tokens[1:]])
+    drafts = []
+    for _ in range(k):
+        out = module(hidden, pairs)
+        best = int(module.logits(out[0, -1]).argmax())
+        draft = best if module.draft_ids is None else int(module.draft_ids[best])
+        drafts.append(draft)
+        hidden = torch.cat([hidden, module.chained(out[:, -1:])], dim=1)
+        pairs = torch.cat([pairs, torch.tensor([[draft]])], dim=1)
+    return drafts
+
+
+@pytest.mark.parametrize("layout", ["deepseek", "qwen3-next+draft-vocab"])
+def test_drafts_equal_the_reference_modules(tmp_path, tiny, layout):
+    path, hf, trained = tiny
+    if layout != "deepseek":  # the same weights, Qwen3-Next's names, 200 draft tokens
+        draft_ids = torch.randperm(320, generator=torch.Generator().manual_seed(3))[:200]
+        draft_ids = draft_ids.sort().values
+        module = MtpModule(hf.config, hf.model.embed_tokens.weight,
+                           hf.lm_head.weight[draft_ids], draft_ids, deepseek=False)
+        module.load_state_dict(trained.state_dict(), strict=False)
+        path = with_head(tmp_path, tiny, module)
+    else:
+        module = trained
+    engine = make_engine(path, **MTP, **{"prefix_cache.enabled": False,
+                                         "engine.max_num_seqs": 3})
+    recorder = DraftRecorder(engine)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    engine.generate(PROMPTS[:5], params)
+    assert len(recorder.calls) > 20
+    for tokens, drafts in recorder.calls:
+        assert drafts == reference_drafts(hf, module, tokens, 3), tokens
+    if layout != "deepseek":
+        assert all(d in set(draft_ids.tolist()) for _, ds in recorder.calls for d in ds)
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"engine.max_num_seqs": 2},  # requests join while others verify drafts
+    {"engine.num_kv_blocks": 40, "engine.block_size": 4},  # preemption
+], ids=["one-batch", "staggered", "preempted"])
+def test_greedy_outputs_are_identical_with_mtp_drafts(tiny, overrides):
+    path, _, _ = tiny
+    prompts = PROMPTS[:6]
+    prompts[3] = prompts[0] + prompts[3]  # a prefix-cache hit: the head starts mid-prompt
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                             speculative=i % 3 != 2, n=2 if i == 4 else 1)
+              for i in range(len(prompts))]
+
+    def outputs(engine):
+        for i, (ids, p) in enumerate(zip(prompts, params)):
+            engine.add_request(f"r{i}", ids, p)
+        done = run_to_end(engine)
+        return [[o.token_ids for o in done[f"r{i}"].outputs] for i in range(len(prompts))]
+
+    plain = outputs(make_engine(path, **overrides))
+    engine = make_engine(path, **overrides, **MTP)
+    assert outputs(engine) == plain
+    stats = engine.spec_stats
+    assert stats.acceptance_rate > 0.2, stats
+    assert stats.accepted_at[2] > 0 and stats.draft_tokens > stats.accepted_tokens
+    if "engine.num_kv_blocks" in overrides:
+        assert engine.scheduler.num_preemptions > 0
+    assert not engine.proposer.caches  # every sequence's drafting state was dropped
+    assert_no_leaks(engine)
+
+
+@torch.no_grad()
+def test_training_attends_as_drafting_does(tiny):
+    """Each chained row of a `chain_mask` pass equals the module run the way drafting runs
+    it: the verified pairs up to its chain's start, then its own chain."""
+    _, hf, module = tiny
+    g = torch.Generator().manual_seed(4)
+    m, depths = 7, 3
+    hidden = torch.randn(1, m, hf.config.hidden_size, generator=g)
+    tokens = torch.randint(3, 300, (1, m + depths), generator=g)
+    inputs, words, positions = [hidden], [], []
+    for a in range(depths):
+        words.append(tokens[:, 1 + a:1 + a + m])
+        positions.append(torch.arange(a, a + m))
+        out = module(torch.cat(inputs, 1), torch.cat(words, 1), torch.cat(positions),
+                     chain_mask(a + 1, m))[:, a * m:]
+        inputs.append(module.chained(out))
+    for i in range(m):  # the chain that starts after position i
+        h, t = hidden[:, :i + 1], tokens[:, 1:i + 2]
+        for a in range(depths):
+            last = module(h, t)[:, -1:]
+            expected = out if a == depths - 1 else None
+            if expected is not None:
+                torch.testing.assert_close(last[0, 0], out[0, i], rtol=1e-4, atol=1e-4)
+            h = torch.cat([h, module.chained(last)], 1)
+            t = torch.cat([t, tokens[:, i + a + 2:i + a + 3]], 1)
+
+
+def test_a_trained_head_beats_a_random_one(tmp_path, tiny):
+    path, hf, _ = tiny
+    torch.manual_seed(5)
+    untrained = MtpModule(hf.config, hf.model.embed_tokens.weight, hf.lm_head.weight)
+    rates = {}
+    for name, where in (("trained", path), ("random", with_head(tmp_path, tiny, untrained))):
+        engine = make_engine(where, **MTP)
+        engine.generate(PROMPTS[6:14],
+                        SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+        rates[name] = engine.spec_stats.acceptance_rate
+    assert rates["trained"] > 0.4 and rates["trained"] > 3 * rates["random"], rates
+
+
+def test_a_checkpoint_without_an_mtp_head_is_refused(tmp_path):
+    build_tiny("llama", tmp_path)
+    with pytest.raises(ValueError, match="holds no MTP weights"):
+        make_engine(tmp_path, **MTP)
+    with pytest.raises(ValueError, match="does not exist"):
+        make_engine(tmp_path, **MTP, **{"speculative.model": str(tmp_path / "nope")})
+
