@@ -36,9 +36,15 @@ test: setup
 serve: setup
 	$(BIN)/heron serve
 
+# The default model's MTP drafting head, trained once by self-distillation (minutes).
+MTP_HEAD := bench/.mtp/smollm2-135m-instruct-mtp.safetensors
+
+$(MTP_HEAD): | setup
+	$(BIN)/heron train-mtp --out $@
+
 # heron against vLLM CPU and llama.cpp, one after another (peers set up once, in their own
 # directories; one that fails to set up is skipped by the comparison, which says so).
-bench: setup
+bench: setup $(MTP_HEAD)
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	-bash bench/peers/setup_vllm.sh
 	-bash bench/peers/setup_llamacpp.sh
@@ -61,8 +67,8 @@ bench-lora: setup
 bench-translation: setup
 	$(BIN)/python -m bench.translation
 
-bench-speculative: setup
-	$(BIN)/python -m bench.speculative
+bench-speculative: setup $(MTP_HEAD)
+	$(BIN)/python -m bench.speculative --methods ngram mtp --mtp-head $(MTP_HEAD)
 
 bench-soak: setup
 	$(BIN)/python -m bench.soak

@@ -5,9 +5,11 @@ quotes the input), greedy, chat template, ``--max-tokens`` tokens per answer. Fo
 method (none, then each in ``--methods``), single-stream (one request at a time) and at
 ``--concurrency`` requests: decode tokens/s, and for the drafting methods the acceptance
 rate, the acceptance per draft position and the mean accepted length. Answers with drafts
-must equal the answers without. JSON to bench/results/speculative-<date>.json.
+must equal the answers without. JSON to bench/results/speculative-<date>.json. Method
+``mtp`` drafts with the head ``--mtp-head`` (``make bench-speculative`` trains it once with
+``heron train-mtp``).
 
-    python -m bench.speculative [--methods ngram] [--num-speculative-tokens 3]
+    python -m bench.speculative [--methods ngram mtp] [--mtp-head H] [--num-speculative-tokens 3]
 """
 
 from __future__ import annotations
@@ -52,14 +54,16 @@ def run(engine, prompts, params, concurrency: int) -> tuple[list[list[int]], flo
     return outputs, time.perf_counter() - start
 
 
-def bench(model_path: Path, method: str, k: int, max_tokens: int, concurrency: int) -> dict:
+def bench(model_path: Path, method: str, k: int, max_tokens: int, concurrency: int,
+          mtp_head: Path | None = None) -> dict:
     from heron.core import Engine, SamplingParams, load_config
     from heron.core.speculative import SpecStats
 
     engine = Engine(load_config(None, {
         "model.path": str(model_path), "model.dtype": "float32", "model.device": "cpu",
         "engine.max_num_seqs": concurrency, "speculative.method": method,
-        "speculative.num_speculative_tokens": k}))
+        "speculative.num_speculative_tokens": k,
+        "speculative.model": str(mtp_head) if method == "mtp" else ""}))
     prompts = [engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": f"Fix the spelling mistakes in this text and write it "
                                      f"out again:\n\n{p}"}]) for p in PARAGRAPHS]
@@ -85,6 +89,8 @@ def bench(model_path: Path, method: str, k: int, max_tokens: int, concurrency: i
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=["ngram"])
+    parser.add_argument("--mtp-head", type=Path,
+                        help="the MTP head for method mtp (`heron train-mtp --out ...`)")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=8)
@@ -92,6 +98,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" /
                         f"speculative-{dt.date.today().isoformat()}.json")
     args = parser.parse_args()
+    if "mtp" in args.methods and args.mtp_head is None:
+        parser.error("method mtp needs --mtp-head")
     torch.set_num_threads(args.threads)
     from heron.core.default_model import ensure_default_model
     model_path = ensure_default_model()
@@ -101,7 +109,7 @@ def main() -> int:
     runs = {"none": base}
     for method in args.methods:
         runs[method] = bench(model_path, method, args.num_speculative_tokens,
-                             args.max_tokens, args.concurrency)
+                             args.max_tokens, args.concurrency, args.mtp_head)
         for mode, entry in runs[method].items():
             if entry["outputs"] != base[mode]["outputs"]:
                 raise SystemExit(f"{method} {mode}: answers differ from those without drafts")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -42,3 +43,14 @@ def load_safetensors(model_dir: Path, dtype: torch.dtype,
                         tensors[name] = t.to(dtype) if t.is_floating_point() else t
             bar.update()
     return tensors
+
+
+_LAYER = re.compile(r"(?:model|backbone)\.layers\.(\d+)\.")
+
+
+def is_mtp_tensor(name: str, num_layers: int) -> bool:
+    """A multi-token-prediction module's tensor, which speculative drafting reads and the
+    model does not: a layer past the model's last (DeepSeek-V3) or under ``mtp.``
+    (Qwen3-Next)."""
+    m = _LAYER.match(name)
+    return name.startswith("mtp.") or (m is not None and int(m.group(1)) >= num_layers)

@@ -120,7 +120,7 @@ class Engine:
                                        max_context_len=self.max_model_len,
                                        block_size=engine.block_size, device=self.device)
         self.proposer: Proposer | None = None
-        proposer = self._build_proposer(stateless)
+        proposer = self._build_proposer()
         if proposer is not None:
             self.set_proposer(proposer)
         self.spec_stats = SpecStats()
@@ -135,7 +135,7 @@ class Engine:
             except AdapterError as e:  # one bad adapter must not take the server down
                 log.error("adapter not loaded: %s", e)
 
-    def _build_proposer(self, stateless: bool) -> Proposer | None:
+    def _build_proposer(self) -> Proposer | None:
         spec = self.config.speculative
         if not spec.method:
             return None
@@ -143,10 +143,9 @@ class Engine:
         if build is None:
             raise ValueError(f"unknown speculative method {spec.method!r}; registered: "
                              f"{sorted(self.plugins.proposers)}")
-        if not stateless or self.runner.is_encoder_decoder:
+        if self.runner.is_encoder_decoder:
             raise ValueError(f"speculative decoding is not available for model "
-                             f"{self.runner.info.name!r}: its family keeps per-sequence "
-                             "states, which rejected drafts would have to roll back")
+                             f"{self.runner.info.name!r}: an encoder-decoder")
         return build(self.config, self.runner)
 
     def set_proposer(self, proposer: Proposer) -> None:
@@ -377,6 +376,10 @@ class Engine:
             self.states.restore(seq, snapshot)
         for key, slot in sched.adapter_loads:
             self._load_adapter_slot(key, slot)
+        if self.states is not None and self.proposer is not None:
+            for item in sched.scheduled:
+                if item.seq.draft_token_ids:
+                    self.states.save_before_drafts(item.seq)
         touched: dict[str, RequestState] = {}
         pl_seqs: set[int] = set()
         # sequences that only run encoder stages this step have no rows and no output yet
@@ -538,8 +541,13 @@ class Engine:
                     continue
                 accepted = position + matched
                 self.spec_stats.record(len(draft), accepted)
-                # the step computed every draft position: the rejected ones' KV is stale
-                seq.num_computed_tokens -= len(draft) - accepted
+                if accepted < len(draft) and self.states is not None:
+                    # a state went through the rejected drafts too and cannot step back:
+                    # restore it, and the next step computes the accepted tokens again
+                    self.states.restore_before_drafts(seq)
+                    seq.num_computed_tokens -= len(draft) + 1
+                else:  # the rejected drafts' KV is stale; later writes overwrite it
+                    seq.num_computed_tokens -= len(draft) - accepted
                 self.scheduler.rollback(seq)
                 if not live:
                     self._finish_seq(seq)

@@ -19,7 +19,12 @@ identical with or without speculation.
 
 The KV the rejected drafts wrote stays in blocks past the sequence's computed tokens: the
 engine rolls ``num_computed_tokens`` back over it (later writes overwrite it) and frees the
-blocks only rejected drafts used (`Scheduler.rollback`).
+blocks only rejected drafts used (`Scheduler.rollback`). A per-sequence state (a hybrid
+model's SSM state) went through the rejected drafts too and cannot step back: the engine
+keeps each drafted sequence's state aside before the step (`StatePool.save_before_drafts`)
+and, when a draft is rejected, restores it and rolls ``num_computed_tokens`` back to the
+pending token, so the next step computes the accepted tokens again with the new one
+(replay: a rejection costs a step that emits one token, and no state per draft position).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ class StatePool:
                           for name, t in self.states.items()} if num_snapshots else {}
         self.prefix_cache: PrefixCache | None = None  # set by the engine, in snapshot mode
         self._pending: dict[int, tuple[int, int]] = {}  # seq id -> (snapshot, position)
+        self._before_drafts: dict[str, torch.Tensor] = {}  # slot -> state, while verifying
 
     @property
     def num_pending(self) -> int:
@@ -59,6 +60,19 @@ class StatePool:
     def restore(self, seq: Sequence, snapshot: int) -> None:
         for name, t in self.states.items():
             t[seq.state_slot].copy_(self.snapshots[name][snapshot])
+
+    def save_before_drafts(self, seq: Sequence) -> None:
+        """Keep ``seq``'s state aside before a step runs its drafts through it (one copy per
+        slot, allocated the first time)."""
+        if not self._before_drafts:
+            self._before_drafts = {name: torch.empty_like(t) for name, t in self.states.items()}
+        for name, t in self.states.items():
+            self._before_drafts[name][seq.state_slot].copy_(t[seq.state_slot])
+
+    def restore_before_drafts(self, seq: Sequence) -> None:
+        """Put back the state `save_before_drafts` kept (a draft was rejected)."""
+        for name, t in self.states.items():
+            t[seq.state_slot].copy_(self._before_drafts[name][seq.state_slot])
 
     def checkpoint(self, seq: Sequence, kind: str) -> None:
         """Save the state after ``seq``'s computed tokens: ``"commit"`` attaches it to the

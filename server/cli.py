@@ -99,6 +99,26 @@ def cmd_fetch_model(args) -> int:
     return 0
 
 
+def cmd_train_mtp(args) -> int:
+    import json
+    import logging
+
+    from heron.core.default_model import ensure_default_model
+    from heron.plugins.mtp.train import train_mtp
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    model = Path(args.model).expanduser() if args.model else ensure_default_model()
+    if not model.exists():
+        raise ConfigError(f"model path {str(model)!r} does not exist")
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    result = train_mtp(model, Path(args.out), num_prompts=args.prompts,
+                       max_tokens=args.max_tokens, draft_vocab=args.draft_vocab,
+                       epochs=args.epochs, lr=args.lr, depth=args.depth, seed=args.seed)
+    print(json.dumps({"out": args.out, **result}, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="heron", description="heron LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +153,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile every registered kernel without a GPU")
     p.add_argument("--arch", action="append", default=None, help="e.g. sm_90 (repeatable)")
     p.set_defaults(func=cmd_kernels)
+
+    p = sub.add_parser("train-mtp", help="train an MTP drafting head by self-distillation",
+                       description="Train a multi-token-prediction head for a transformer "
+                       "MODEL on text the model generates itself, and write it (DeepSeek-V3 "
+                       "layout) to OUT, for [speculative] method = \"mtp\", model = OUT.")
+    p.add_argument("model", nargs="?", help="HF model directory or .gguf file "
+                   "(default: SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="the .safetensors file to write")
+    p.add_argument("--prompts", type=int, default=2000, help="generated samples")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per sample")
+    p.add_argument("--draft-vocab", type=int, default=4096,
+                   help="most frequent tokens the head drafts (0: the whole vocabulary)")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--depth", type=int, default=3, help="chained drafts trained for")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_train_mtp)
 
     p = sub.add_parser("fetch-model", help="fetch the default model into the cache")
     p.set_defaults(func=cmd_fetch_model)

@@ -140,6 +140,8 @@ def test_greedy_outputs_are_identical_with_mtp_drafts(tiny, overrides):
     stats = engine.spec_stats
     assert stats.acceptance_rate > 0.2, stats
     assert stats.accepted_at[2] > 0 and stats.draft_tokens > stats.accepted_tokens
+    if overrides:  # the longer prompt was admitted after the first had cached its blocks
+        assert engine.scheduler.prefix_hit_tokens > 0
     if "engine.num_kv_blocks" in overrides:
         assert engine.scheduler.num_preemptions > 0
     assert not engine.proposer.caches  # every sequence's drafting state was dropped
@@ -193,3 +195,68 @@ def test_a_checkpoint_without_an_mtp_head_is_refused(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         make_engine(tmp_path, **MTP, **{"speculative.model": str(tmp_path / "nope")})
 
+
+
+@pytest.fixture(scope="module")
+def bamba(tmp_path_factory):
+    """A tiny Bamba (Mamba2 and attention layers) with a head trained the same way, its
+    layer shaped like Bamba's attention layers."""
+    import transformers
+
+    from tests.hybrid_models import build_hybrid
+    path = tmp_path_factory.mktemp("bamba-mtp")
+    hf = build_hybrid("bamba", path)
+    engine = make_engine(path, **{"prefix_cache.enabled": False})
+    samples = generate_samples(engine, PROMPTS, max_tokens=40)
+    c = hf.config
+    shape = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=128,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_position_embeddings)
+    torch.manual_seed(0)
+    module = MtpModule(shape, hf.model.embed_tokens.weight, hf.lm_head.weight)
+    train(module, samples, epochs=150, lr=1e-2, batch_size=8, depth=3)
+    module.save(path / "mtp.safetensors", c.num_hidden_layers)
+    return path, hf
+
+
+def test_a_hybrids_hidden_states_are_transformers(bamba):
+    """What the head reads from a hybrid model: its final hidden states, every row."""
+    path, hf = bamba
+    engine = make_engine(path, **MTP)
+    rows = {}
+    observe = engine.proposer.observe
+
+    def record(seq, start, hidden):
+        rows.update({(seq.request_id, start + i): r.clone() for i, r in enumerate(hidden)})
+        observe(seq, start, hidden)
+
+    engine.proposer.observe = record
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(PROMPTS[:3], params)
+    for out, prompt in zip(outs, PROMPTS):
+        tokens = prompt + out.outputs[0].token_ids[:-1]
+        with torch.no_grad():
+            expected = hf.model(torch.tensor([tokens])).last_hidden_state[0]
+        got = torch.stack([rows[out.request_id, j] for j in range(len(tokens))])
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"engine.max_num_seqs": 2},
+    {"engine.num_kv_blocks": 40, "engine.block_size": 4},
+], ids=["staggered", "preempted"])
+def test_a_hybrids_greedy_outputs_are_identical_with_mtp_drafts(bamba, overrides):
+    path, _ = bamba
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                             speculative=i % 3 != 2) for i in range(6)]
+    plain = [o.outputs[0].token_ids for o in make_engine(path, **overrides).generate(
+        PROMPTS[:6], params)]
+    engine = make_engine(path, **overrides, **MTP)
+    assert [o.outputs[0].token_ids for o in engine.generate(PROMPTS[:6], params)] == plain
+    stats = engine.spec_stats
+    assert stats.draft_tokens > stats.accepted_tokens > 0, stats
+    if "engine.num_kv_blocks" in overrides:
+        assert engine.scheduler.num_preemptions > 0
+    assert engine.num_state_slots_in_use == 0
+    assert_no_leaks(engine)

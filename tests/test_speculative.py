@@ -27,6 +27,14 @@ def tiny(tmp_path_factory):
     return path, build_tiny("llama", path)
 
 
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A tiny Bamba: Mamba2 layers, whose states cannot step back over rejected drafts."""
+    from tests.hybrid_models import build_hybrid
+    path = tmp_path_factory.mktemp("bamba")
+    return path, build_hybrid("bamba", path)
+
+
 def prompts() -> list[list[int]]:
     """Prompts of different lengths; some repeat spans, as text that quotes itself does."""
     g = torch.Generator().manual_seed(0)
@@ -79,8 +87,9 @@ class OracleProposer(Proposer):
     {"engine.num_kv_blocks": 30, "engine.block_size": 4},  # preemption, rollback at edges
 ], ids=["one-batch", "staggered", "preempted"])
 @pytest.mark.parametrize("proposer", ["ngram", "oracle"])
-def test_greedy_outputs_are_identical_with_drafts(tiny, overrides, proposer):
-    path, _ = tiny
+@pytest.mark.parametrize("model", ["tiny", "hybrid"])
+def test_greedy_outputs_are_identical_with_drafts(request, model, overrides, proposer):
+    path, _ = request.getfixturevalue(model)
     params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
                              speculative=i % 3 != 2)  # every third opts out
               for i in range(len(prompts()))]
@@ -96,11 +105,13 @@ def test_greedy_outputs_are_identical_with_drafts(tiny, overrides, proposer):
         assert stats.accepted_at[1] >= stats.accepted_at[2] > 0
     if "engine.num_kv_blocks" in overrides:
         assert engine.scheduler.num_preemptions > 0
+    assert engine.num_state_slots_in_use == 0
     assert_no_leaks(engine)
 
 
-def test_seeded_sampling_gives_the_same_tokens_with_drafts(tiny):
-    path, _ = tiny
+@pytest.mark.parametrize("model", ["tiny", "hybrid"])
+def test_seeded_sampling_gives_the_same_tokens_with_drafts(request, model):
+    path, _ = request.getfixturevalue(model)
     params = [SamplingParams(max_tokens=32, temperature=0.8, top_k=20, seed=100 + i,
                              ignore_eos=True, repetition_penalty=1.1)
               for i in range(len(prompts()))]
@@ -238,9 +249,9 @@ def test_speculation_is_refused_where_it_cannot_run(tiny, tmp_path):
     path, _ = tiny
     with pytest.raises(ValueError, match="unknown speculative method 'eagle'.*'ngram'"):
         make_engine(path, **{"speculative.method": "eagle"})
-    build_hybrid("bamba", tmp_path)
-    with pytest.raises(ValueError, match="per-sequence states"):
-        make_engine(tmp_path, **NGRAM)
+    build_hybrid("mamba2", tmp_path)  # no attention layers to shape an MTP layer on
+    with pytest.raises(ValueError, match="hybrids with attention layers"):
+        make_engine(tmp_path, **{"speculative.method": "mtp"})
 
 
 def test_siblings_of_a_request_with_n_choices_keep_their_streams(tiny):

@@ -14,7 +14,7 @@ from heron.core.tokenizer import Tokenizer
 from heron.plugins.hybrid_ssm.config import HybridConfig
 from heron.plugins.hybrid_ssm.model import HybridModel
 from heron.plugins.hybrid_ssm.runner import HybridRunner
-from heron.core.checkpoint import load_safetensors
+from heron.core.checkpoint import is_mtp_tensor, load_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,8 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
         raise ValueError("the hybrid_ssm family loads HF safetensors directories, not GGUF")
     hf_config = json.loads((source / "config.json").read_text())
     cfg = HybridConfig.from_hf(hf_config)
-    tensors = load_safetensors(source, torch.float32)
+    tensors = load_safetensors(source, torch.float32,
+                               keep=lambda name: not is_mtp_tensor(name, cfg.num_layers))
     tokenizer = Tokenizer.from_hf_dir(source)
     model = HybridModel(cfg, tensors, device, dtype)
     del tensors

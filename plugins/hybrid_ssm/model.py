@@ -41,9 +41,12 @@ class HybridModel:
             self.cos_sin = rope_cos_sin_cache(a.rope_dim, cfg.max_position_embeddings,
                                               a.rope_theta, a.rope_scaling).to(device)
 
-    def forward(self, batch: Batch, cache: CacheTensors) -> torch.Tensor:
+    def forward(self, batch: Batch, cache: CacheTensors,
+                hidden_out: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Logits (float32) for ``batch.logits_indices``; writes the KV of every token of the
-        attention layers and leaves each sequence's slot holding its state after its last row."""
+        attention layers and leaves each sequence's slot holding its state after its last row.
+        ``hidden_out``: a list that receives the final hidden states (after the last norm)
+        of every row, for a drafter that reads them."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         x = F.embedding(batch.input_ids, self.embed)
         if cfg.embedding_multiplier != 1.0:
@@ -61,8 +64,13 @@ class HybridModel:
                     h, residual = rms_norm(x, norm, eps, residual)
                 x = block(i, layer, h, batch, cache, plan)
         rows = batch.logits_indices
-        h, _ = rms_norm(x.index_select(0, rows), self.final_norm, eps,
-                        residual.index_select(0, rows))
+        if hidden_out is not None:
+            h, _ = rms_norm(x, self.final_norm, eps, residual)
+            hidden_out.append(h)
+            h = h.index_select(0, rows)
+        else:
+            h, _ = rms_norm(x.index_select(0, rows), self.final_norm, eps,
+                            residual.index_select(0, rows))
         logits = linear(h, self.lm_head)
         if cfg.logits_multiplier != 1.0:
             logits = logits * cfg.logits_multiplier

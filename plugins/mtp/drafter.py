@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from heron.core import Sequence
 from heron.core.ops import linear, rms_norm, rotary
 from heron.core.speculative import Proposer
-from heron.plugins.mtp.weights import MtpWeights
-from heron.plugins.transformer.model import TransformerModel, gated_mlp
+from heron.plugins.mtp.weights import DraftTarget, MtpWeights
+from heron.plugins.transformer.model import gated_mlp
 
 
 @dataclass
@@ -66,9 +66,9 @@ class _Cache:
 class MtpProposer(Proposer):
     needs_hidden_states = True
 
-    def __init__(self, weights: MtpWeights, model: TransformerModel) -> None:
-        self.w, self.model = weights, model
-        self.shape = model.shape
+    def __init__(self, weights: MtpWeights, target: DraftTarget) -> None:
+        self.w, self.target = weights, target
+        self.shape = target.shape
         self.caches: dict[int, _Cache] = {}
 
     # -- what the target computed ---------------------------------------------------------
@@ -144,7 +144,7 @@ class MtpProposer(Proposer):
     def _next(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The state chained to the next position and the greedy draft token, from the
         layer's output rows."""
-        w, eps = self.w, self.model.cfg.rms_norm_eps
+        w, eps = self.w, self.target.eps
         normed, _ = rms_norm(out, w.out_norm, eps)
         best = linear(normed, w.head).argmax(-1)
         if w.draft_token_ids is not None:
@@ -156,8 +156,7 @@ class MtpProposer(Proposer):
         """The module's layer output (before its final norm) for rows pairing ``hidden`` with
         the embedding of ``tokens`` at ``positions``; ``sizes[i]`` rows for ``caches[i]``,
         whose K/V the rows append to and attend over."""
-        w, cfg, s = self.w, self.model.cfg, self.shape
-        eps = cfg.rms_norm_eps
+        w, s, eps = self.w, self.shape, self.target.eps
         e = F.embedding(tokens, w.embed)
         if w.deepseek:
             e = e.masked_fill((positions == 0)[:, None], 0.0)
@@ -174,7 +173,8 @@ class MtpProposer(Proposer):
         if layer.attn.q_norm is not None:
             q, _ = rms_norm(q, layer.attn.q_norm, s.eps)
             k, _ = rms_norm(k, layer.attn.k_norm, s.eps)
-        q, k = rotary(q, k, positions, self.model.cos_sin)
+        if self.target.cos_sin is not None:
+            q, k = rotary(q, k, positions, self.target.cos_sin)
         o = torch.empty_like(q)
         row = 0
         for cache, n in zip(caches, sizes):

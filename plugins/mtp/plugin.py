@@ -20,11 +20,8 @@ def _build_mtp(config, runner):
     from pathlib import Path
 
     from heron.plugins.mtp.drafter import MtpProposer
-    from heron.plugins.mtp.weights import load_mtp
-    from heron.plugins.transformer.runner import TransformerRunner
-    if not isinstance(runner, TransformerRunner):
-        raise ValueError("speculative method 'mtp' drafts for transformer-family models; "
-                         f"model {runner.info.name!r} is not one")
+    from heron.plugins.mtp.weights import DraftTarget, load_mtp
+    target = DraftTarget.of(getattr(runner, "model", None))
     path = config.speculative.model or config.model.path
     if not path or Path(path).suffix == ".gguf":
         raise ValueError("speculative method 'mtp' needs MTP weights: set [speculative] "
@@ -33,4 +30,4 @@ def _build_mtp(config, runner):
     path = Path(path).expanduser()
     if not path.exists():
         raise ValueError(f"[speculative] model {str(path)!r} does not exist")
-    return MtpProposer(load_mtp(path, runner.model), runner.model)
+    return MtpProposer(load_mtp(path, target), target)

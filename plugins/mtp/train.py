@@ -2,7 +2,9 @@
 
 1. heron generates answers to a few thousand prompts with the model itself (greedy, the
    prefix cache off), keeping the final hidden state the model computed at every position
-   (`HiddenRecorder`, a proposer that drafts nothing).
+   (`HiddenRecorder`, a proposer that drafts nothing). Half the prompts ask for texts on
+   assorted subjects, the other half ask to edit, summarise or correct those answers
+   (`heron.plugins.mtp.prompts`): what the model writes either way.
 2. The draft vocabulary is the generated text's most frequent tokens (`draft_vocabulary`).
 3. `MtpModule`, its decoder layer started from the model's last layer, learns to predict
    token ``j + 2`` from ``(h_j, t_{j+1})``: the loss is the cross-entropy against the
@@ -16,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,3 +208,56 @@ def new_module(hf_config, model, draft_ids: torch.Tensor | None) -> MtpModule:
         layer.post_attention_layernorm.weight.copy_(last.post_norm)
         module.out_norm.weight.copy_(model.final_norm)
     return module
+
+
+def hf_config(path: Path):
+    """The transformers config of the checkpoint at ``path`` (HF directory or GGUF)."""
+    from transformers import AutoConfig
+    if path.suffix == ".gguf":
+        import gguf
+
+        from heron.plugins.transformer.gguf_loader import gguf_config
+        config = gguf_config(gguf.GGUFReader(path))
+        return AutoConfig.for_model(config.pop("model_type"), **config)
+    return AutoConfig.from_pretrained(path)
+
+
+def train_mtp(model_path: Path, out: Path, *, num_prompts: int = 2000,
+              max_tokens: int = 128, draft_vocab: int = 4096, epochs: int = 2,
+              lr: float = 1e-3, depth: int = 3, batch_size: int = 16,
+              max_num_seqs: int = 64, seed: int = 0) -> dict:
+    """The whole recipe (module docstring): writes the head to ``out`` (one safetensors
+    file) and returns what it measured."""
+    from heron.core import Engine, load_config
+    from heron.plugins.mtp.prompts import training_prompts
+
+    started = time.perf_counter()
+    engine = Engine(load_config(None, {
+        "model.path": str(model_path), "model.dtype": "float32", "model.device": "cpu",
+        "prefix_cache.enabled": False, "engine.max_num_seqs": max_num_seqs,
+        "engine.max_num_batched_tokens": 2048}))
+    chat = engine.tokenizer.apply_chat_template
+    first, second = training_prompts(num_prompts, seed)
+    samples = generate_samples(engine, [chat([m]) for m in first], max_tokens)
+    texts = [engine.tokenizer.decode(s.tokens[s.num_prompt_tokens:]) for s in samples]
+    samples += generate_samples(engine, [chat([m]) for m in second(texts)], max_tokens)
+    generated = time.perf_counter()
+    model = engine.runner.model
+    vocab = draft_vocabulary(samples, draft_vocab, model.cfg.vocab_size) \
+        if 0 < draft_vocab < model.cfg.vocab_size else None
+    outputs = [t for s in samples for t in s.tokens[s.num_prompt_tokens:]]
+    coverage = 1.0 if vocab is None else float(torch.isin(torch.tensor(outputs), vocab)
+                                               .float().mean())
+    log.info("%d samples, %d output tokens; the draft vocabulary covers %.1f%% of them",
+             len(samples), len(outputs), 100 * coverage)
+    torch.manual_seed(seed)
+    module = new_module(hf_config(model_path), model, vocab)
+    losses = train(module, samples, epochs, lr=lr, batch_size=batch_size, depth=depth,
+                   seed=seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    module.save(out, model.cfg.num_layers)
+    return {"samples": len(samples), "output_tokens": len(outputs),
+            "draft_vocab": draft_vocab if vocab is not None else model.cfg.vocab_size,
+            "draft_vocab_coverage": coverage, "losses": losses,
+            "generate_seconds": generated - started,
+            "train_seconds": time.perf_counter() - generated}

@@ -29,9 +29,53 @@ import torch
 from heron.core.checkpoint import load_safetensors, safetensors_files
 from heron.core.ops import pack_weight
 from heron.core.ops.linear import unpack_weight
-from heron.plugins.transformer.model import LayerWeights, TransformerModel, Weights, load_layer
+from heron.plugins.transformer.model import (AttentionShape, LayerWeights, TransformerModel,
+                                              Weights, load_layer)
 
 _DEEPSEEK = re.compile(r"model\.layers\.(\d+)\.eh_proj\.weight")
+
+
+@dataclass(frozen=True)
+class LayerFlags:
+    """The biases and norms an MTP decoder layer has (what `load_layer` reads)."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    mlp_bias: bool = False
+
+
+@dataclass
+class DraftTarget:
+    """What an MTP head shares with its target model (embedding, LM head) and takes from
+    it (attention shape, rotary table, norm epsilon, biases)."""
+
+    embed: torch.Tensor             # [vocab, hidden]
+    lm_head: torch.Tensor           # packed
+    tied: bool
+    num_layers: int
+    eps: float
+    shape: AttentionShape
+    cos_sin: torch.Tensor | None    # None: no position embedding
+    flags: LayerFlags
+
+    @classmethod
+    def of(cls, model) -> DraftTarget:
+        """For a transformer-family model, or a hybrid one with attention layers (the MTP
+        layer is an attention layer shaped like them, with a SwiGLU MLP)."""
+        from heron.plugins.hybrid_ssm.model import HybridModel
+        cfg = model.cfg
+        if isinstance(model, TransformerModel):
+            flags = LayerFlags(cfg.qkv_bias, cfg.o_bias, cfg.qk_norm, cfg.mlp_bias)
+            return cls(model.embed, model.lm_head, cfg.tie_word_embeddings, cfg.num_layers,
+                       cfg.rms_norm_eps, model.shape, model.cos_sin, flags)
+        if isinstance(model, HybridModel) and model.attn_shape is not None:
+            a = cfg.attention
+            return cls(model.embed, model.lm_head, cfg.tie_word_embeddings, cfg.num_layers,
+                       cfg.rms_norm_eps, model.attn_shape, model.cos_sin,
+                       LayerFlags(a.bias, a.bias, False, cfg.mlp_bias))
+        raise ValueError("speculative method 'mtp' drafts for transformer-family models and "
+                         "hybrids with attention layers")
 
 
 @dataclass
@@ -59,9 +103,9 @@ def _keys(path: Path) -> list[str]:
     return names
 
 
-def load_mtp(path: Path, model: TransformerModel) -> MtpWeights:
+def load_mtp(path: Path, target: DraftTarget) -> MtpWeights:
     """The MTP module in the checkpoint at ``path`` (a directory or one ``.safetensors``
-    file) for the target ``model``; ValueError naming what is missing."""
+    file) for ``target``; ValueError naming what is missing."""
     names = _keys(path)
     layers = sorted(int(m.group(1)) for n in names if (m := _DEEPSEEK.fullmatch(n)))
     if layers:
@@ -71,11 +115,11 @@ def load_mtp(path: Path, model: TransformerModel) -> MtpWeights:
     else:
         raise ValueError(f"{str(path)!r} holds no MTP weights (neither DeepSeek-V3's "
                          "model.layers.N.eh_proj nor Qwen3-Next's mtp.fc)")
-    device, dtype = model.embed.device, model.embed.dtype
+    device, dtype = target.embed.device, target.embed.dtype
     w = Weights(load_safetensors(path, torch.float32, keep=lambda n: n.startswith(prefix)),
                 device, dtype)
     draft_ids = w.tensors.pop(prefix + "draft_token_ids", None)
-    cfg = model.cfg
+    cfg = target.flags
     try:
         if deepseek:
             embed = w.take(prefix + "embed_tokens.weight", required=False)
@@ -101,15 +145,15 @@ def load_mtp(path: Path, model: TransformerModel) -> MtpWeights:
     if head is not None:
         head = pack_weight(head)
     elif draft_ids is None:
-        head = model.lm_head  # packed already
+        head = target.lm_head  # packed already
     else:
-        full = model.embed if cfg.tie_word_embeddings else unpack_weight(model.lm_head)
+        full = target.embed if target.tied else unpack_weight(target.lm_head)
         head = pack_weight(full[draft_ids.to(device)])
     if draft_ids is not None and head.shape[0] != draft_ids.shape[0]:
         raise ValueError(f"MTP weights in {str(path)!r}: {head.shape[0]} head rows for "
                          f"{draft_ids.shape[0]} draft_token_ids")
     return MtpWeights(
-        embed=model.embed if embed is None else embed, embed_norm=embed_norm,
+        embed=target.embed if embed is None else embed, embed_norm=embed_norm,
         hidden_norm=hidden_norm, proj=pack_weight(proj), layer=layer, out_norm=out_norm,
         head=head,
         draft_token_ids=None if draft_ids is None else draft_ids.to(device),

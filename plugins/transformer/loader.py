@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 
 import torch
@@ -15,7 +14,7 @@ from heron.core.tokenizer import Tokenizer
 from heron.plugins.transformer.config import TransformerConfig
 from heron.plugins.transformer.model import TransformerModel
 from heron.plugins.transformer.runner import TransformerRunner
-from heron.core.checkpoint import load_safetensors
+from heron.core.checkpoint import is_mtp_tensor, load_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +29,7 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
     else:
         cfg = TransformerConfig.from_hf(json.loads((source / "config.json").read_text()))
         tensors = load_safetensors(source, torch.float32,
-                                   keep=lambda name: not _is_mtp(name, cfg.num_layers))
+                                   keep=lambda name: not is_mtp_tensor(name, cfg.num_layers))
         tokenizer = Tokenizer.from_hf_dir(source)
     model = TransformerModel(cfg, tensors, device, dtype)
     del tensors
@@ -40,12 +39,3 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
                                    cfg.eos_token_ids, tokenizer, dtype, device)
     return LoadedModel(TransformerRunner(model, info), tokenizer)
 
-
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
-
-
-def _is_mtp(name: str, num_layers: int) -> bool:
-    """A multi-token-prediction module's tensor (``heron.plugins.mtp`` reads those): a
-    layer past the last (DeepSeek-V3) or under ``mtp.`` (Qwen3-Next)."""
-    m = _LAYER.match(name)
-    return name.startswith("mtp.") or (m is not None and int(m.group(1)) >= num_layers)
