@@ -161,13 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="HF model directory or .gguf file "
                    "(default: SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="the .safetensors file to write")
-    p.add_argument("--prompts", type=int, default=2000, help="generated samples")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens per sample")
+    p.add_argument("--prompts", type=int, default=1500, help="generated samples")
+    p.add_argument("--max-tokens", type=int, default=96, help="tokens per sample")
     p.add_argument("--draft-vocab", type=int, default=4096,
                    help="most frequent tokens the head drafts (0: the whole vocabulary)")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--depth", type=int, default=3, help="chained drafts trained for")
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--depth", type=int, default=2, help="chained drafts trained for")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_train_mtp)

@@ -1,6 +1,7 @@
 """Prompts for self-distillation (`heron.plugins.mtp.train`): requests for short texts on
 assorted subjects, then requests to edit the model's own answers (fix misspellings put
-into them, summarise, rewrite), so the head sees writing and input-grounded answers."""
+into them, summarise, rewrite; most of them with the sentences or the words shuffled), so the head sees
+writing and input-grounded answers, and answers that copy text it could not predict."""
 
 from __future__ import annotations
 
@@ -60,6 +61,15 @@ def misspell(text: str, rng: random.Random, rate: float = 0.08) -> str:
     return " ".join(words)
 
 
+def shuffle(text: str, rng: random.Random) -> str:
+    """``text`` with its sentences, or its words, in another order: text the model would not
+    write itself, so that repeating it takes copying, not predicting."""
+    sep = ". " if rng.random() < 0.5 else " "
+    parts = [x.strip() for x in text.replace("\n", " ").split(sep) if x.strip()]
+    rng.shuffle(parts)
+    return sep.join(parts)
+
+
 def training_prompts(num: int, seed: int = 0) -> tuple[list[dict], Callable[[list[str]],
                                                                            list[dict]]]:
     """``num // 2`` writing requests (chat messages), and a function from the answers to
@@ -71,7 +81,12 @@ def training_prompts(num: int, seed: int = 0) -> tuple[list[dict], Callable[[lis
              for t, s in (pairs * (num // len(pairs) + 1))[:num // 2]]
 
     def second(answers: list[str]) -> list[dict]:
-        return [{"role": "user", "content": rng.choice(EDIT).format(misspell(a.strip(), rng))}
-                for a in answers if a.strip()][:num - num // 2]
+        prompts = []
+        for a in answers:
+            if a.strip():
+                text = shuffle(a, rng) if rng.random() < 0.6 else a.strip()
+                prompts.append({"role": "user",
+                                "content": rng.choice(EDIT).format(misspell(text, rng))})
+        return prompts[:num - num // 2]
 
     return first, second

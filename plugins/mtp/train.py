@@ -222,9 +222,9 @@ def hf_config(path: Path):
     return AutoConfig.from_pretrained(path)
 
 
-def train_mtp(model_path: Path, out: Path, *, num_prompts: int = 2000,
-              max_tokens: int = 128, draft_vocab: int = 4096, epochs: int = 2,
-              lr: float = 1e-3, depth: int = 3, batch_size: int = 16,
+def train_mtp(model_path: Path, out: Path, *, num_prompts: int = 1500,
+              max_tokens: int = 96, draft_vocab: int = 4096, epochs: int = 5,
+              lr: float = 3e-3, depth: int = 2, batch_size: int = 4,
               max_num_seqs: int = 64, seed: int = 0) -> dict:
     """The whole recipe (module docstring): writes the head to ``out`` (one safetensors
     file) and returns what it measured."""
