@@ -96,6 +96,17 @@ class ModelRunner(ABC):
     keep_hidden_states: bool = False
     hidden_states: torch.Tensor | None = None
 
+    def keeping_hidden_states(self, forward) -> torch.Tensor:
+        """``forward(hidden_out)`` of a model that appends its final hidden states to the
+        list ``hidden_out`` (None: not needed); with `keep_hidden_states` they are kept in
+        `hidden_states`. For families that support drafting from hidden states."""
+        if not self.keep_hidden_states:
+            return forward(None)
+        hidden: list[torch.Tensor] = []
+        logits = forward(hidden)
+        self.hidden_states = hidden[0]
+        return logits
+
     @abstractmethod
     def cache_spec(self) -> CacheSpec:
         """Declare the cache memory this model needs; called once, before `bind_cache`."""

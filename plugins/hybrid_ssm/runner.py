@@ -65,9 +65,5 @@ class HybridRunner(ModelRunner):
         if self.model.state_index and batch.state_slots_list is None:
             raise RuntimeError("the hybrid_ssm family needs the engine's state slots "
                                "(batch.state_slots_list) for its Mamba layers")
-        if not self.keep_hidden_states:
-            return self.model.forward(batch, self.cache)
-        hidden: list[torch.Tensor] = []
-        logits = self.model.forward(batch, self.cache, hidden)
-        self.hidden_states = hidden[0]
-        return logits
+        return self.keeping_hidden_states(
+            lambda hidden: self.model.forward(batch, self.cache, hidden))

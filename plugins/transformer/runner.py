@@ -38,9 +38,5 @@ class TransformerRunner(ModelRunner):
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
-        if not self.keep_hidden_states:
-            return self.model.forward(batch, self.cache)
-        hidden: list[torch.Tensor] = []
-        logits = self.model.forward(batch, self.cache, hidden)
-        self.hidden_states = hidden[0]
-        return logits
+        return self.keeping_hidden_states(
+            lambda hidden: self.model.forward(batch, self.cache, hidden))
