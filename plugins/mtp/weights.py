@@ -64,7 +64,7 @@ class DraftTarget:
         """For a transformer-family model, or a hybrid one with attention layers (the MTP
         layer is an attention layer shaped like them, with a SwiGLU MLP)."""
         from heron.plugins.hybrid_ssm.model import HybridModel
-        cfg = model.cfg
+        cfg = getattr(model, "cfg", None)
         if isinstance(model, TransformerModel):
             flags = LayerFlags(cfg.qkv_bias, cfg.o_bias, cfg.qk_norm, cfg.mlp_bias)
             return cls(model.embed, model.lm_head, cfg.tie_word_embeddings, cfg.num_layers,
