@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from heron.core import Sequence
-from heron.core.ops import linear, rms_norm, rotary
+from heron.core.ops import linear, rms_norm
 from heron.core.speculative import Proposer
 from heron.plugins.mtp.weights import DraftTarget, MtpWeights
-from heron.plugins.transformer.model import gated_mlp
+from heron.plugins.transformer.model import gated_mlp, qkv_heads
 
 
 @dataclass
@@ -165,16 +165,7 @@ class MtpProposer(Proposer):
         x = linear(torch.cat([e, h], dim=-1), w.proj)
         layer = w.layer
         h, _ = rms_norm(x, layer.input_norm, eps)
-        qkv = linear(h, layer.attn.qkv, layer.attn.qkv_bias)
-        q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
-        q = q.reshape(-1, s.num_heads, s.head_dim)
-        k = k.reshape(-1, s.num_kv_heads, s.head_dim)
-        v = v.reshape(-1, s.num_kv_heads, s.head_dim)
-        if layer.attn.q_norm is not None:
-            q, _ = rms_norm(q, layer.attn.q_norm, s.eps)
-            k, _ = rms_norm(k, layer.attn.k_norm, s.eps)
-        if self.target.cos_sin is not None:
-            q, k = rotary(q, k, positions, self.target.cos_sin)
+        q, k, v = qkv_heads(h, layer.attn, s, positions, self.target.cos_sin)
         o = torch.empty_like(q)
         row = 0
         for cache, n in zip(caches, sizes):

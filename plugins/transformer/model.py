@@ -78,13 +78,11 @@ class Weights:
         return None if any(p is None for p in parts) else torch.cat(parts, dim=0).contiguous()
 
 
-def attention(h: torch.Tensor, w: AttentionWeights, shape: AttentionShape, batch: Batch,
-              kv: tuple[torch.Tensor, torch.Tensor],
-              cos_sin: torch.Tensor | None, lora: LayerLora | None = None) -> torch.Tensor:
-    """Self-attention of ``h [T, hidden]`` over paged KV: qkv → (q/k norm) → rotary → write
-    this step's K/V into ``kv = (k_cache, v_cache)`` → paged attention → o. ``cos_sin`` None:
-    no position embedding (NoPE layers). ``lora``: adapter deltas for the projections.
-    Returns ``[T, hidden]``."""
+def qkv_heads(h: torch.Tensor, w: AttentionWeights, shape: AttentionShape,
+              positions: torch.Tensor, cos_sin: torch.Tensor | None,
+              lora: LayerLora | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q [T, Hq, D], k, v [T, Hkv, D]`` of ``h [T, hidden]`` at ``positions``: qkv →
+    (q/k norm) → rotary (``cos_sin`` None: no position embedding)."""
     num_tokens = h.shape[0]
     qkv = linear(h, w.qkv, w.qkv_bias)
     if lora is not None:
@@ -100,7 +98,19 @@ def attention(h: torch.Tensor, w: AttentionWeights, shape: AttentionShape, batch
         q, _ = rms_norm(q, w.q_norm, shape.eps)
         k, _ = rms_norm(k, w.k_norm, shape.eps)
     if cos_sin is not None:
-        q, k = rotary(q, k, batch.positions, cos_sin)
+        q, k = rotary(q, k, positions, cos_sin)
+    return q, k, v
+
+
+def attention(h: torch.Tensor, w: AttentionWeights, shape: AttentionShape, batch: Batch,
+              kv: tuple[torch.Tensor, torch.Tensor],
+              cos_sin: torch.Tensor | None, lora: LayerLora | None = None) -> torch.Tensor:
+    """Self-attention of ``h [T, hidden]`` over paged KV: `qkv_heads` → write this step's
+    K/V into ``kv = (k_cache, v_cache)`` → paged attention → o. ``cos_sin`` None: no
+    position embedding (NoPE layers). ``lora``: adapter deltas for the projections.
+    Returns ``[T, hidden]``."""
+    num_tokens = h.shape[0]
+    q, k, v = qkv_heads(h, w, shape, batch.positions, cos_sin, lora)
     k_cache, v_cache = kv
     write_kv(k, v, k_cache, v_cache, batch.attn.slot_mapping)
     o = paged_attention(q, k_cache, v_cache, batch.attn, shape.scale)
