@@ -494,8 +494,10 @@ class Engine:
                 sample_rows.append(row)
                 sample_seqs.append(seq)
                 row += 1
+        copies: list[tuple[int, int]] = []  # forked beams' partial blocks, copied at once
         for state in beams.values():
-            self._beam_step(state, logits)
+            self._beam_step(state, logits, copies)
+        copy_blocks(self.cache.kv, self.cache.kv, copies)
         if drafted:
             self._verify(drafted, logits)
         if not sample_seqs:
@@ -553,7 +555,10 @@ class Engine:
                     self._finish_seq(seq)
             active, position = walking, position + 1
 
-    def _beam_step(self, state: RequestState, logits: torch.Tensor) -> None:
+    def _beam_step(self, state: RequestState, logits: torch.Tensor,
+                   copies: list[tuple[int, int]]) -> None:
+        """Step ``state``'s beam search on its rows of ``logits``; the KV blocks its forks
+        must copy (copy on write) go to ``copies``."""
         group = state.beam
         if not group.ready():  # a beam is behind: the others compute their token again
             for seq in group.live:
@@ -579,7 +584,7 @@ class Engine:
                 # a parent's first continuation keeps its sequence, the others fork it
                 # (before any token is appended to it)
                 taken = any(s is parent for s, _ in appends)
-                seq = self._fork_beam(state, parent) if taken else parent
+                seq = self._fork_beam(state, parent, copies) if taken else parent
                 targets[parent.seq_id, token] = seq
                 appends.append((seq, token))
         for seq, token in appends:
@@ -587,17 +592,18 @@ class Engine:
         group.beams = [targets[parents[p].seq_id, t] for p, t in pairs]
         state.seqs = group.live
 
-    def _fork_beam(self, state: RequestState, parent: Sequence) -> Sequence:
+    def _fork_beam(self, state: RequestState, parent: Sequence,
+                   copies: list[tuple[int, int]]) -> Sequence:
         child = Sequence(next(self._seq_ids), parent.request_id, parent.prompt_token_ids,
                          parent.params, parent.arrival, parent.namespace,
                          parent.encoder_token_ids)
         child.token_ids = list(parent.token_ids)
         copy = self.scheduler.fork(parent, child)
         if copy is not None:
-            copy_blocks(self.cache.kv, self.cache.kv, [copy])
+            copies.append(copy)
         if self.states is not None and child.status is SequenceStatus.RUNNING:
-            self.states.fork(parent, child, lambda src, dst: self.runner.fork_state(
-                self.cache, src, dst))
+            self.states.fork(parent, child, None if self.runner.forks_share_states else
+                             lambda src, dst: self.runner.fork_state(self.cache, src, dst))
         self._by_seq[child.seq_id] = state
         return child
 

@@ -90,6 +90,10 @@ class ModelRunner(ABC):
     #: whole source; the scheduler charges a stage ``len(source) / encoder_stages`` tokens
     #: of a step's budget, so a long source's encoder spreads over several steps.
     encoder_stages: int = 1
+    #: True when no step writes a sequence's states once it decodes (an encoder-decoder's
+    #: cross-attention K/V): beams forked from it then read its slot, shared, instead of a
+    #: copy made by `fork_state`, and several rows of a batch may name one slot.
+    forks_share_states: bool = False
     #: Set by the engine when its speculative proposer drafts from hidden states; a family
     #: that supports this then leaves, after each `forward`, the final hidden states (after
     #: the last norm, what the LM head reads) of every row of the batch in `hidden_states`.
@@ -132,8 +136,9 @@ class ModelRunner(ABC):
 
     def fork_state(self, cache: CacheTensors, parent_slot: int, child_slot: int) -> None:
         """Make ``child_slot`` hold ``parent_slot``'s state (a beam forked from a sequence
-        that has computed its tokens). The default copies every state tensor's slot; a
-        family that knows how much of a slot is in use may copy less."""
+        that has computed its tokens; not called when `forks_share_states`). The default
+        copies every state tensor's slot; a family that knows how much of a slot is in use
+        may copy less."""
         for t in cache.states.values():
             t[child_slot].copy_(t[parent_slot])
 

@@ -39,6 +39,7 @@ class StatePool:
         self.prefix_cache: PrefixCache | None = None  # set by the engine, in snapshot mode
         self._pending: dict[int, tuple[int, int]] = {}  # seq id -> (snapshot, position)
         self._before_drafts: dict[str, torch.Tensor] = {}  # slot -> state, while verifying
+        self._holders: dict[int, int] = {}  # slot -> sequences sharing it, when over one
 
     @property
     def num_pending(self) -> int:
@@ -52,8 +53,14 @@ class StatePool:
                 t[seq.state_slot].zero_()
 
     def fork(self, parent: Sequence, child: Sequence, copy) -> None:
-        """Give ``child`` a slot holding ``parent``'s state (a beam forked from it), copied
-        by ``copy(parent_slot, child_slot)`` (the family's `ModelRunner.fork_state`)."""
+        """Give ``child`` a slot holding ``parent``'s state (a beam forked from it): a new
+        one, copied by ``copy(parent_slot, child_slot)`` (the family's
+        `ModelRunner.fork_state`), or, when ``copy`` is None, ``parent``'s own, shared until
+        the last of its holders is released."""
+        if copy is None:
+            child.state_slot = parent.state_slot
+            self._holders[parent.state_slot] = self._holders.get(parent.state_slot, 1) + 1
+            return
         child.state_slot = self.slots.allocate()
         copy(parent.state_slot, child.state_slot)
 
@@ -97,8 +104,13 @@ class StatePool:
                 self._attach(seq, *held)
             else:
                 self.snapshot_pool.free(held[0])
-        if seq.state_slot is not None:
-            self.slots.free(seq.state_slot)
+        slot = seq.state_slot
+        if slot is not None:
+            holders = self._holders.pop(slot, 1)
+            if holders > 2:
+                self._holders[slot] = holders - 1
+            elif holders == 1:
+                self.slots.free(slot)
             seq.state_slot = None
 
     def _take(self) -> int | None:

@@ -96,7 +96,8 @@ def test_aborted_beams_free_everything(tiny):
     engine.add_request("a", [start, fra], params, encoder_prompt=sources[2])
     for _ in range(4):
         engine.step()
-    assert len(engine._requests["a"].seqs) > 1  # forked beams hold blocks and slots
+    assert len(engine._requests["a"].seqs) > 1  # forked beams hold blocks
+    assert engine.num_state_slots_in_use == 1  # and share the source's cross-attention slot
     out = engine.abort("a")
     assert [o.finish_reason for o in out.outputs] == ["abort", "abort"]
     assert engine.num_state_slots_in_use == 0

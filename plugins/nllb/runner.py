@@ -21,6 +21,7 @@ from heron.plugins.nllb.model import NllbModel, attend
 
 class NllbRunner(ModelRunner):
     is_encoder_decoder = True
+    forks_share_states = True  # the slot's cross-attention K/V stay fixed once decoding starts
 
     def __init__(self, model: NllbModel, info: ModelInfo) -> None:
         self.model, self.info = model, info
@@ -40,13 +41,6 @@ class NllbRunner(ModelRunner):
 
     def bind_cache(self, cache: CacheTensors) -> None:
         self.cache = cache
-
-    def fork_state(self, cache: CacheTensors, parent_slot: int, child_slot: int) -> None:
-        # only the source's rows: a slot is sized for the longest source
-        cross, lengths = cache.states["cross_kv"], cache.states["cross_len"]
-        length = int(lengths[parent_slot, 0])
-        cross[child_slot, :, :, :length].copy_(cross[parent_slot, :, :, :length])
-        lengths[child_slot].copy_(lengths[parent_slot])
 
     @torch.inference_mode()
     def encode(self, chunks: list[EncoderChunk]) -> None:
@@ -88,36 +82,49 @@ class NllbRunner(ModelRunner):
         ended_slots, ended_sizes = (torch.tensor(t, device=dev) for t in zip(*ended))
         states["cross_len"][ended_slots, 0] = ended_sizes
 
-    def _batched_cross_attention(self, slots: list[int], sources: list[int], scale: float):
-        """Cross-attention for one query row per sequence, one call per layer. When most
-        slots up to the last one used are this batch's (a busy engine), over the slot tensor
-        itself, with no copy: queries go to their sequences' slots, and the other slots
-        attend to nothing that is used; otherwise over a gathered copy of the batch's slots."""
+    def _grouped_cross_attention(self, slots: list[int], sources: list[int], scale: float):
+        """Cross-attention of a batch whose row ``r`` reads slot ``slots[r]`` (a source of
+        ``sources[r]`` tokens), one call per layer: the rows that share a slot (a sequence's
+        rows, the beams of one request) query its K/V together, so each source is read
+        once. When most slots up to the last one used are this batch's (a busy engine), over
+        the slot tensor itself, with no copy: the other slots attend to nothing that is used;
+        otherwise over a gathered copy of the batch's slots. None when padding every slot's
+        queries to the most any slot has would more than double them (a long decoder prompt
+        among single rows)."""
         cross = self.cache.states["cross_kv"]
-        dev, longest, num = cross.device, max(sources), max(slots) + 1
-        index = torch.tensor(slots, device=dev)
-        dense = 2 * len(slots) >= num
-        if dense:
-            lengths = torch.zeros(num, dtype=torch.long, device=dev)
-            lengths[index] = torch.tensor(sources, device=dev)
-        else:
-            lengths = torch.tensor(sources, device=dev)
+        dev, longest = cross.device, max(sources)
+        used = dict.fromkeys(slots)  # the batch's slots, in order of first use
+        dense = 2 * len(used) >= max(used) + 1
+        group_of = dict(zip(used, used if dense else range(len(used))))
+        rank, seen = [], dict.fromkeys(used, 0)
+        for slot in slots:  # each row's place among its slot's rows
+            rank.append(seen[slot])
+            seen[slot] += 1
+        num_groups, group_size = (max(used) + 1 if dense else len(used)), max(seen.values())
+        if num_groups * group_size > 2 * len(slots) + 64:
+            return None
+        group = torch.tensor([group_of[s] for s in slots], device=dev)
+        # row r's query goes to place[r] of the [groups * group_size] queries
+        place = group * group_size + torch.tensor(rank, device=dev)
+        in_place = num_groups * group_size == len(slots) and not dense  # place is 0, 1, ...
+        lengths = torch.zeros(num_groups, dtype=torch.long, device=dev)
+        lengths[group] = torch.tensor(sources, device=dev)
         mask = (torch.arange(longest, device=dev)[None, :] < lengths[:, None])
-        mask = mask[:, None, None, :]  # [slots, 1, 1, S]
+        mask = mask[:, None, None, :]  # [groups, 1, 1, S]
         mask[lengths == 0] = True  # unused slots: any finite row, discarded below
+        index = None if dense else torch.tensor(list(used), device=dev)
 
         def cross_attention(i, q):  # q [B, heads, head_dim]
             heads, head_dim = q.shape[1:]
-            if dense:
-                q_all = q.new_zeros(num, heads, 1, head_dim)
-                q_all[index] = q[:, :, None, :]
-                k, v = cross[:num, i, :, :longest].unbind(1)
-            else:
-                q_all = q[:, :, None, :]
-                k, v = cross[index, i, :, :longest].unbind(1)
+            if not in_place:
+                q = q.new_zeros(num_groups * group_size, heads, head_dim).index_copy_(0, place, q)
+            q = q.view(num_groups, group_size, heads, head_dim).transpose(1, 2)
+            k, v = (cross[:num_groups, i, :, :longest] if dense
+                    else cross[index, i, :, :longest]).unbind(1)
             o = torch.nn.functional.scaled_dot_product_attention(
-                q_all, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
-            return (o[index] if dense else o).reshape(len(slots), heads * head_dim)
+                q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+            o = o.transpose(1, 2).reshape(num_groups * group_size, heads * head_dim)
+            return o if in_place else o.index_select(0, place)
 
         return cross_attention
 
@@ -136,9 +143,11 @@ class NllbRunner(ModelRunner):
             o = paged_attention(q.contiguous(), k_cache, v_cache, batch.attn, scale)
             return o.reshape(q.shape[0], -1)
 
-        if len(slots) == batch.num_tokens:  # decode only: one query row per sequence
-            cross_attention = self._batched_cross_attention(slots, sources, scale)
-        else:
+        num_rows = batch.attn.query_lens_list
+        cross_attention = self._grouped_cross_attention(
+            [slot for slot, n in zip(slots, num_rows) for _ in range(n)],
+            [s for s, n in zip(sources, num_rows) for _ in range(n)], scale)
+        if cross_attention is None:
             def cross_attention(i, q):  # each sequence's rows over its own source
                 return torch.cat([attend(q[a:b], cross[slot, i, 0, :s], cross[slot, i, 1, :s],
                                          scale)
