@@ -52,6 +52,21 @@ class AttentionMetadata:
         keys = torch.arange(self.max_seq_len, device=self.seq_lens.device)
         return blocks, (keys[None, :] < self.seq_lens[:, None])[:, None, None, :]
 
+    @cached_property
+    def padded_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([T] int64 place, [B, 1, max_query_len, max_seq_len] bool causal mask)`` for
+        attention with every sequence's queries padded to ``max_query_len``: flat row ``t``
+        is query ``place[t] % max_query_len`` of sequence ``place[t] // max_query_len``.
+        A padding query sees what its sequence's last one sees. Computed once per step."""
+        dev, width = self.seq_lens.device, self.max_query_len
+        place = torch.cat([torch.arange(n) + i * width
+                           for i, n in enumerate(self.query_lens_list)]).to(dev)
+        query_lens = torch.tensor(self.query_lens_list, device=dev)
+        rows = torch.minimum(torch.arange(width, device=dev)[None, :], query_lens[:, None] - 1)
+        last_key = (self.seq_lens - query_lens)[:, None] + rows  # [B, width]
+        keys = torch.arange(self.max_seq_len, device=dev)
+        return place, (keys[None, None, :] <= last_key[:, :, None])[:, None]
+
 
 @dataclass
 class EncoderChunk:

@@ -30,13 +30,22 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Ten
     return g[..., :length, :, :]
 
 
-def _decode_batched(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+def _padded(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    """Every sequence's queries and context padded to the longest, one SDPA call."""
     blocks, keep = meta.padded_blocks_and_mask
     k = _gather(k_cache, blocks, meta.max_seq_len).transpose(1, 2)  # [B, Hkv, L, D]
     v = _gather(v_cache, blocks, meta.max_seq_len).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2).to(k.dtype), k, v, attn_mask=keep,
-                                         scale=scale, enable_gqa=True)
-    return out.squeeze(2)
+    q = q.to(k.dtype)
+    if meta.is_decode_only:
+        return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=keep,
+                                              scale=scale, enable_gqa=True).squeeze(2)
+    place, causal = meta.padded_queries
+    width, (heads, head_dim) = meta.max_query_len, q.shape[1:]
+    padded = q.new_zeros(meta.num_seqs * width, heads, head_dim).index_copy_(0, place, q)
+    padded = padded.view(meta.num_seqs, width, heads, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(padded, k, v, attn_mask=causal, scale=scale,
+                                         enable_gqa=True)  # [B, Hq, width, D]
+    return out.transpose(1, 2).reshape(-1, heads, head_dim).index_select(0, place)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -47,8 +56,12 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     sequence with ``query_len`` queries and ``seq_len`` keys sees keys
     ``0 .. seq_len - query_len + j``. Returns ``[T, Hq, D]`` in q's dtype.
     """
-    if meta.is_decode_only:
-        return _decode_batched(q, k_cache, v_cache, meta, scale).to(q.dtype)
+    # one padded call when padding costs little (decode rows, speculative drafts, short
+    # prompts); a sequence at a time when one long prompt would pad everyone to its length
+    num_seqs, num_rows = meta.num_seqs, q.shape[0]
+    if meta.is_decode_only or (num_seqs * meta.max_query_len <= 2 * num_rows + 64 and
+                               num_seqs * meta.max_seq_len <= 2 * sum(meta.seq_lens_list) + 1024):
+        return _padded(q, k_cache, v_cache, meta, scale).to(q.dtype)
     out = torch.empty_like(q)
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):

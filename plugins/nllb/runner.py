@@ -119,8 +119,9 @@ class NllbRunner(ModelRunner):
             if not in_place:
                 q = q.new_zeros(num_groups * group_size, heads, head_dim).index_copy_(0, place, q)
             q = q.view(num_groups, group_size, heads, head_dim).transpose(1, 2)
-            k, v = (cross[:num_groups, i, :, :longest] if dense
-                    else cross[index, i, :, :longest]).unbind(1)
+            kv = cross[:num_groups, i, :, :longest] if dense else (
+                cross[:, i, :, :longest].index_select(0, index))  # a row copy: fast
+            k, v = kv.unbind(1)
             o = torch.nn.functional.scaled_dot_product_attention(
                 q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
             o = o.transpose(1, 2).reshape(num_groups * group_size, heads * head_dim)
