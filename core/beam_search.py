@@ -84,7 +84,7 @@ class BeamSearch:
         # NOTE: finished slots stay sorted by score, best first (they come out of a topk).
         self._finished: list[list[int]] = [[] for _ in range(num_beams)]
         self._finished_scores = torch.full((num_beams,), NEG)
-        self._is_finished = torch.zeros(num_beams, dtype=torch.bool)
+        self._is_finished = [False] * num_beams
 
     def step(self, logits: torch.Tensor) -> list[tuple[int, int]]:
         """Advance by one token.
@@ -103,32 +103,33 @@ class BeamSearch:
         if logits.dim() != 2 or logits.shape[0] != rows:
             raise ValueError(f"expected logits [{rows}, vocab], got {list(logits.shape)}")
         vocab = logits.shape[1]
-        logprobs = self._process(torch.log_softmax(logits.float(), dim=-1))
-        running_scores = self._running_scores.to(logprobs.device)
+        logprobs = self._process(torch.log_softmax(logits.float(), dim=-1)).cpu()
         # transformers expands the prompt to num_beams identical rows; the -1e9 of beams
         # 1.. keeps them out of the way unless too few tokens are possible (forced ones).
-        total = (logprobs.expand(self.num_beams, vocab) + running_scores[:, None]).reshape(-1)
+        total = (logprobs.expand(self.num_beams, vocab)
+                 + self._running_scores[:, None]).reshape(-1)
         top_scores, top_index = torch.topk(total, self.num_candidates)
-        parents, tokens = (top_index // vocab).tolist(), (top_index % vocab).tolist()
+        parents, tokens = zip(*(divmod(i, vocab) for i in top_index.tolist()))
         length = self.num_new_tokens + 1
-        ends = torch.tensor([t in self.eos_token_ids or length >= self.max_new_tokens
-                             for t in tokens], device=top_scores.device)
+        ends = [t in self.eos_token_ids or length >= self.max_new_tokens for t in tokens]
         candidates = [self._running[p] + [t] for p, t in zip(parents, tokens)]
 
-        # Next running beams: the best candidates that do not end.
-        alive_scores = top_scores + ends.to(torch.float32) * NEG
-        keep = torch.topk(alive_scores, self.num_beams).indices
-        self._running = [candidates[i] for i in keep.tolist()]
+        # Next running beams: the best candidates that do not end (the small lists here are
+        # plain Python; every sum, division and ordering stays a float32 torch op, as in
+        # transformers, so ties break alike).
+        alive_scores = top_scores + _penalties(ends)
+        keep = torch.topk(alive_scores, self.num_beams).indices.tolist()
+        self._running = [candidates[i] for i in keep]
         self._running_scores = alive_scores[keep]
 
         self._update_finished(top_scores, ends, candidates, length)
         self.num_new_tokens = length
-        all_full = bool(self._is_finished.all()) and self.early_stopping is True
-        self.done = all_full or bool(ends.all()) or not self._can_improve()
+        all_full = all(self._is_finished) and self.early_stopping is True
+        self.done = all_full or all(ends) or not self._can_improve()
         if self.done:
             return []
         # All beams of the first step come from the single prompt row.
-        return [(0 if is_first else parents[i], tokens[i]) for i in keep.tolist()]
+        return [(0 if is_first else parents[i], tokens[i]) for i in keep]
 
     def results(self) -> list[tuple[list[int], float]]:
         """The best ``num_return`` hypotheses, best first, as transformers returns them:
@@ -150,7 +151,7 @@ class BeamSearch:
             logprobs[:, self.forced_first_token] = 0.0
         return logprobs
 
-    def _update_finished(self, top_scores: torch.Tensor, ends: torch.Tensor,
+    def _update_finished(self, top_scores: torch.Tensor, ends: list[bool],
                          candidates: list[list[int]], length: int) -> None:
         """transformers' ``_update_finished_beams``: only the first ``num_beams`` candidates
         may finish (the rest are spares for the running beams).
@@ -158,17 +159,15 @@ class BeamSearch:
         NOTE: transformers also bars new finishes once its heuristic says no improvement is
         possible, or with ``early_stopping=True`` once all slots are full; for one request
         both mean the search is already done, so those terms only matter in a batch."""
-        device = top_scores.device
+        just_finished = [end and i < self.num_beams for i, end in enumerate(ends)]
         scores = top_scores / (length ** self.length_penalty)
-        is_top = torch.arange(self.num_candidates, device=device) < self.num_beams
-        just_finished = ends & is_top
-        scores = scores + (~just_finished).to(torch.float32) * NEG
-        merged = torch.cat((self._finished_scores.to(device), scores))
-        pick = torch.topk(merged, self.num_beams).indices
-        sequences = self._finished + candidates
-        self._finished = [sequences[i] for i in pick.tolist()]
+        scores = scores + _penalties([not f for f in just_finished])
+        merged = torch.cat((self._finished_scores, scores))
+        pick = torch.topk(merged, self.num_beams).indices.tolist()
+        sequences, finished = self._finished + candidates, self._is_finished + just_finished
+        self._finished = [sequences[i] for i in pick]
         self._finished_scores = merged[pick]
-        self._is_finished = torch.cat((self._is_finished.to(device), just_finished))[pick]
+        self._is_finished = [finished[i] for i in pick]
 
     def _can_improve(self) -> bool:
         """transformers' ``_check_early_stop_heuristic``: can the best running beam still
@@ -177,8 +176,12 @@ class BeamSearch:
             best_length = self.max_new_tokens
         else:
             best_length = self.num_new_tokens
-        best_running = self._running_scores[:1] / (best_length ** self.length_penalty)
+        best_running = float(self._running_scores[0] / (best_length ** self.length_penalty))
         # NOTE: while a slot is empty its -1e9 is the minimum, so any real beam can improve.
-        worst_finished = torch.where(self._is_finished, self._finished_scores.min(),
-                                     torch.tensor(NEG, device=self._is_finished.device))
-        return bool((best_running > worst_finished).any())
+        lowest = float(self._finished_scores.min())
+        return any(best_running > (lowest if f else NEG) for f in self._is_finished)
+
+
+def _penalties(flags: list[bool]) -> torch.Tensor:
+    """transformers' ``flags * -1e9`` as float32: -1e9 where set, 0 elsewhere."""
+    return torch.tensor([NEG if f else 0.0 for f in flags])
