@@ -13,8 +13,9 @@ sentences of 5-30 words, fp32 on the CPU, greedy and beam search (4 beams), two 
   retires each as it ends. heron's translations must equal transformers' token for token.
 
 heron runs every sentence concurrently; transformers runs batches of ``--batch-size``
-sentences (padded, KV cache on). Target tokens/s (of the returned translations, EOS
-included) for each and the ratio; JSON to bench/results/translation-<date>.json.
+sentences (padded, KV cache on). Each side runs the workload once to warm up, then
+``--repeats`` times, and its median time counts. Target tokens/s (of the returned translations, EOS included) for each and the ratio;
+JSON to bench/results/translation-<date>.json.
 
     python -m bench.translation [--num-beams 1 4] [--workloads fixed eos]
 """
@@ -47,8 +48,21 @@ def sources(num: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(5, 30))) for _ in range(num)]
 
 
+def timed(run, repeats: int) -> dict:
+    """``run()`` once untimed (a warm-up: memory first touched, caches filled), then
+    ``repeats`` times: its last result as ``outputs``, the median time as ``seconds`` (one
+    run's time is at the mercy of a shared machine's noise), and every time."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outputs = run()
+        times.append(time.perf_counter() - start)
+    return {"outputs": outputs, "seconds": statistics.median(times), "runs": times}
+
+
 def bench_heron(path: Path, tok, texts, tgt_id: int, max_tokens: int, num_beams: int,
-                ignore_eos: bool) -> dict:
+                ignore_eos: bool, repeats: int) -> dict:
     from heron.core import Engine, SamplingParams, load_config
 
     engine = Engine(load_config(None, {
@@ -69,15 +83,11 @@ def bench_heron(path: Path, tok, texts, tgt_id: int, max_tokens: int, num_beams:
                          if o.finished})
         return [done[f"r{i}"] for i in range(len(batch))]
 
-    run(texts[:2])  # warm-up
-    start = time.perf_counter()
-    outputs = run(texts)
-    elapsed = time.perf_counter() - start
-    return {"outputs": outputs, "seconds": elapsed}
+    return timed(lambda: run(texts), repeats)
 
 
 def bench_transformers(model, tok, texts, tgt_id: int, max_tokens: int, batch_size: int,
-                       num_beams: int, ignore_eos: bool) -> dict:
+                       num_beams: int, ignore_eos: bool, repeats: int) -> dict:
     eos = model.config.eos_token_id
     # the same budget as heron's: max_tokens after the forced target language
     kw = dict(num_beams=num_beams, do_sample=False, forced_bos_token_id=tgt_id,
@@ -91,15 +101,15 @@ def bench_transformers(model, tok, texts, tgt_id: int, max_tokens: int, batch_si
             rows.append(row[:row.index(eos) + 1] if eos in row and not ignore_eos else row)
         return rows
 
-    with torch.inference_mode():
-        model.generate(**tok(texts[:2], return_tensors="pt", padding=True), **kw)  # warm-up
-        start = time.perf_counter()
+    def run():
         outputs = []
         for i in range(0, len(texts), batch_size):
             batch = tok(texts[i:i + batch_size], return_tensors="pt", padding=True)
             outputs += translations(model.generate(**batch, **kw))
-        elapsed = time.perf_counter() - start
-    return {"outputs": outputs, "seconds": elapsed, "batch_size": batch_size}
+        return outputs
+
+    with torch.inference_mode():
+        return {**timed(run, repeats), "batch_size": batch_size}
 
 
 def summary(run: dict) -> dict:
@@ -120,6 +130,8 @@ def main() -> int:
     parser.add_argument("--workloads", nargs="+", choices=["fixed", "eos"],
                         default=["fixed", "eos"])
     parser.add_argument("--eos-boost", type=float, default=4.5)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs of each side; the median counts")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" /
                         f"translation-{dt.date.today().isoformat()}.json")
     args = parser.parse_args()
@@ -137,9 +149,9 @@ def main() -> int:
             for beams in args.num_beams:
                 ignore_eos = workload == "fixed"
                 heron = bench_heron(path, tok, texts, tgt_id, args.max_tokens, beams,
-                                    ignore_eos)
+                                    ignore_eos, args.repeats)
                 hf = bench_transformers(model, tok, texts, tgt_id, args.max_tokens,
-                                        args.batch_size, beams, ignore_eos)
+                                        args.batch_size, beams, ignore_eos, args.repeats)
                 if heron["outputs"] != hf["outputs"]:
                     raise SystemExit(f"{workload}, {beams} beams: heron's translations "
                                      "differ from transformers'")
