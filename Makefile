@@ -36,11 +36,12 @@ test: setup
 serve: setup
 	$(BIN)/heron serve
 
-# The default model's MTP drafting head, trained once by self-distillation (minutes).
+# The default model's MTP drafting head, trained once by self-distillation (about an hour
+# on 2 cores, most of it generating samples, which are kept for retraining).
 MTP_HEAD := bench/.mtp/smollm2-135m-instruct-mtp.safetensors
 
 $(MTP_HEAD): | setup
-	$(BIN)/heron train-mtp --out $@
+	$(BIN)/heron train-mtp --out $@ --samples bench/.mtp/samples.pt
 
 # heron against vLLM CPU and llama.cpp, one after another (peers set up once, in their own
 # directories; one that fails to set up is skipped by the comparison, which says so).

@@ -1,11 +1,16 @@
 """Speculative decoding on SmolLM2 (the default model): drafts vs none, one run.
 
-An input-grounded task (correct the spelling of a given paragraph: the answer mostly
-quotes the input), greedy, chat template, ``--max-tokens`` tokens per answer. For each
-method (none, then each in ``--methods``), single-stream (one request at a time) and at
-``--concurrency`` requests: decode tokens/s, and for the drafting methods the acceptance
-rate, the acceptance per draft position and the mean accepted length. Answers with drafts
-must equal the answers without. JSON to bench/results/speculative-<date>.json. Method
+Two workloads, greedy, chat template, ``--max-tokens`` tokens per answer:
+
+- ``edit``, input-grounded: correct the spelling of a given paragraph (the answer mostly
+  quotes the input, which n-gram lookup finds);
+- ``write``, open-ended: short pieces on subjects and in forms that ``heron train-mtp``'s
+  prompts do not use (nothing to look up; the MTP head must predict the model).
+
+For each workload and method (none, then each in ``--methods``), single-stream (one request
+at a time) and at ``--concurrency`` requests: decode tokens/s, and for the drafting methods
+the acceptance rate, the acceptance per draft position and the mean accepted length.
+Answers with drafts must equal the answers without. JSON to bench/results/speculative-<date>.json. Method
 ``mtp`` drafts with the head ``--mtp-head`` (``make bench-speculative`` trains it once with
 ``heron train-mtp``).
 
@@ -46,6 +51,21 @@ PARAGRAPHS = [
 ]
 
 
+# held out from heron.plugins.mtp.prompts (checked in `main`)
+WRITE_SUBJECTS = ["kites", "the postal service", "glass blowing", "river otters",
+                  "the metric system", "origami", "street lamps", "honey badgers"]
+WRITE_FORMS = ["Describe {} in a few sentences.", "What should a beginner know about {}?"]
+
+
+def workload_prompts(name: str) -> list[str]:
+    """The user messages of workload ``name``."""
+    if name == "edit":
+        return [f"Fix the spelling mistakes in this text and write it out again:\n\n{p}"
+                for p in PARAGRAPHS]
+    return [form.format(s) for i, s in enumerate(WRITE_SUBJECTS)
+            for form in WRITE_FORMS[i % 2:i % 2 + 1]]
+
+
 def run(engine, prompts, params, concurrency: int) -> tuple[list[list[int]], float]:
     outputs, start = [], time.perf_counter()
     for i in range(0, len(prompts), concurrency):
@@ -54,8 +74,8 @@ def run(engine, prompts, params, concurrency: int) -> tuple[list[list[int]], flo
     return outputs, time.perf_counter() - start
 
 
-def bench(model_path: Path, method: str, k: int, max_tokens: int, concurrency: int,
-          mtp_head: Path | None = None) -> dict:
+def bench(model_path: Path, method: str, workloads: list[str], k: int, max_tokens: int,
+          concurrency: int, mtp_head: Path | None = None) -> dict:
     from heron.core import Engine, SamplingParams, load_config
     from heron.core.speculative import SpecStats
 
@@ -64,25 +84,27 @@ def bench(model_path: Path, method: str, k: int, max_tokens: int, concurrency: i
         "engine.max_num_seqs": concurrency, "speculative.method": method,
         "speculative.num_speculative_tokens": k,
         "speculative.model": str(mtp_head) if method == "mtp" else ""}))
-    prompts = [engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"Fix the spelling mistakes in this text and write it "
-                                     f"out again:\n\n{p}"}]) for p in PARAGRAPHS]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     result = {}
-    for name, c in (("single", 1), (f"c={concurrency}", concurrency)):
-        engine.spec_stats = SpecStats()  # this mode's counts alone
-        outputs, seconds = run(engine, prompts, params, c)
-        tokens = sum(map(len, outputs))
-        entry = {"output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                 "outputs": outputs}
-        if method:
-            s = engine.spec_stats
-            entry.update(drafts=s.drafts, draft_tokens=s.draft_tokens,
-                         accepted_tokens=s.accepted_tokens, acceptance_rate=s.acceptance_rate,
-                         acceptance_per_position=[a / max(s.drafts, 1) for a in s.accepted_at],
-                         mean_accepted_length=s.mean_accepted_length)
-        result[name] = entry
+    for workload in workloads:
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": m}])
+                   for m in workload_prompts(workload)]
+        engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+        for mode, c in (("single", 1), (f"c={concurrency}", concurrency)):
+            engine.spec_stats = SpecStats()  # this mode's counts alone
+            outputs, seconds = run(engine, prompts, params, c)
+            tokens = sum(map(len, outputs))
+            entry = {"output_tokens": tokens, "seconds": seconds,
+                     "tokens_per_s": tokens / seconds, "outputs": outputs}
+            if method:
+                s = engine.spec_stats
+                entry.update(drafts=s.drafts, draft_tokens=s.draft_tokens,
+                             accepted_tokens=s.accepted_tokens,
+                             acceptance_rate=s.acceptance_rate,
+                             acceptance_per_position=[a / max(s.drafts, 1)
+                                                      for a in s.accepted_at],
+                             mean_accepted_length=s.mean_accepted_length)
+            result[f"{workload}, {mode}"] = entry
     return result
 
 
@@ -91,6 +113,8 @@ def main() -> int:
     parser.add_argument("--methods", nargs="+", default=["ngram"])
     parser.add_argument("--mtp-head", type=Path,
                         help="the MTP head for method mtp (`heron train-mtp --out ...`)")
+    parser.add_argument("--workloads", nargs="+", choices=["edit", "write"],
+                        default=["edit", "write"])
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=8)
@@ -100,15 +124,18 @@ def main() -> int:
     args = parser.parse_args()
     if "mtp" in args.methods and args.mtp_head is None:
         parser.error("method mtp needs --mtp-head")
+    from heron.plugins.mtp.prompts import SUBJECTS
+    if set(WRITE_SUBJECTS) & set(SUBJECTS):
+        raise SystemExit("the write workload's subjects must be held out from train-mtp's")
     torch.set_num_threads(args.threads)
     from heron.core.default_model import ensure_default_model
     model_path = ensure_default_model()
 
-    base = bench(model_path, "", args.num_speculative_tokens, args.max_tokens,
-                 args.concurrency)
+    base = bench(model_path, "", args.workloads, args.num_speculative_tokens,
+                 args.max_tokens, args.concurrency)
     runs = {"none": base}
     for method in args.methods:
-        runs[method] = bench(model_path, method, args.num_speculative_tokens,
+        runs[method] = bench(model_path, method, args.workloads, args.num_speculative_tokens,
                              args.max_tokens, args.concurrency, args.mtp_head)
         for mode, entry in runs[method].items():
             if entry["outputs"] != base[mode]["outputs"]:
@@ -126,7 +153,7 @@ def main() -> int:
               "machine": platform.processor() or platform.machine(), "threads": args.threads,
               "model": model_path.name, "max_tokens": args.max_tokens,
               "num_speculative_tokens": args.num_speculative_tokens,
-              "prompts": len(PARAGRAPHS), "runs": runs}
+              "prompts": {w: workload_prompts(w) for w in args.workloads}, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

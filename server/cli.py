@@ -114,7 +114,8 @@ def cmd_train_mtp(args) -> int:
         torch.set_num_threads(args.threads)
     result = train_mtp(model, Path(args.out), num_prompts=args.prompts,
                        max_tokens=args.max_tokens, draft_vocab=args.draft_vocab,
-                       epochs=args.epochs, lr=args.lr, depth=args.depth, seed=args.seed)
+                       epochs=args.epochs, lr=args.lr, depth=args.depth, seed=args.seed,
+                       samples_file=Path(args.samples) if args.samples else None)
     print(json.dumps({"out": args.out, **result}, indent=2))
     return 0
 
@@ -168,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--depth", type=int, default=2, help="chained drafts trained for")
+    p.add_argument("--samples", help="a file keeping the generated samples, reused when it "
+                                     "holds those of the same model and settings")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_train_mtp)

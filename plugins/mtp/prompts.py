@@ -70,12 +70,12 @@ def shuffle(text: str, rng: random.Random) -> str:
     return sep.join(parts)
 
 
-def training_prompts(num: int, seed: int = 0) -> tuple[list[dict], Callable[[list[str]],
-                                                                           list[dict]]]:
-    """``num // 2`` writing requests (chat messages), and a function from the answers to
-    as many editing requests over them."""
+def training_prompts(num: int, seed: int = 0, subjects=SUBJECTS) -> tuple[
+        list[dict], Callable[[list[str]], list[dict]]]:
+    """``num // 2`` writing requests (chat messages) on ``subjects``, and a function from the
+    answers to as many editing requests over them."""
     rng = random.Random(seed)
-    pairs = [(t, s) for t in WRITE for s in SUBJECTS]
+    pairs = [(t, s) for t in WRITE for s in subjects]
     rng.shuffle(pairs)
     first = [{"role": "user", "content": t.format(s)}
              for t, s in (pairs * (num // len(pairs) + 1))[:num // 2]]

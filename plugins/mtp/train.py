@@ -11,6 +11,11 @@
    model's own next-token distribution at ``j + 1`` (over the draft vocabulary), on the
    generated positions only.
 4. The head is written in the DeepSeek-V3 layout, one file, for ``[speculative] model``.
+
+A few subjects are held out: the head's agreement with the model on their answers
+(`agreement`, what the first draft's acceptance will be) measures how well it generalises
+rather than how well it remembers. The generated samples can be kept in a file and reused,
+so that trying other training settings does not generate them again.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch.nn.functional as F
 from heron.core import Sequence
 from heron.core.speculative import Proposer
 from heron.plugins.mtp.module import MtpModule
+from heron.plugins.mtp.prompts import SUBJECTS, WRITE, training_prompts
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +120,25 @@ def chain_mask(depths: int, length: int) -> torch.Tensor:
     rows = [torch.cat([causal] + [same if b <= a else torch.zeros_like(same)
                                   for b in range(1, depths)], dim=1) for a in range(depths)]
     return torch.cat(rows, dim=0)
+
+
+def agreement(module: MtpModule, samples: list[Sample]) -> float:
+    """How often the module's first draft (from ``(h_j, t_{j+1})``) is the token the model
+    chose at ``j + 2``, over the samples' generated tokens: its greedy first-draft
+    acceptance."""
+    hits = total = 0
+    with torch.no_grad():
+        for s in samples:
+            m = len(s.tokens) - 2
+            out = module(s.hidden[None, :m], torch.tensor([s.tokens[1:1 + m]]),
+                         torch.arange(m), chain_mask(1, m))[0]
+            best = module.logits(out).argmax(-1)
+            if module.draft_ids is not None:
+                best = module.draft_ids[best]
+            counted = torch.arange(2, m + 2) >= s.num_prompt_tokens
+            hits += int((best == torch.tensor(s.tokens[2:]))[counted].sum())
+            total += int(counted.sum())
+    return hits / max(total, 1)
 
 
 def train(module: MtpModule, samples: list[Sample], epochs: int, lr: float = 1e-3,
@@ -222,25 +247,50 @@ def hf_config(path: Path):
     return AutoConfig.from_pretrained(path)
 
 
+def _generate(engine, num_prompts: int, max_tokens: int, seed: int,
+              subjects) -> list[Sample]:
+    """Writing samples on ``subjects`` and editing samples over their answers."""
+    chat = engine.tokenizer.apply_chat_template
+    first, second = training_prompts(num_prompts, seed, subjects)
+    samples = generate_samples(engine, [chat([m]) for m in first], max_tokens)
+    texts = [engine.tokenizer.decode(s.tokens[s.num_prompt_tokens:]) for s in samples]
+    return samples + generate_samples(engine, [chat([m]) for m in second(texts)], max_tokens)
+
+
 def train_mtp(model_path: Path, out: Path, *, num_prompts: int = 1500,
               max_tokens: int = 96, draft_vocab: int = 4096, epochs: int = 5,
               lr: float = 3e-3, depth: int = 2, batch_size: int = 4,
-              max_num_seqs: int = 64, seed: int = 0) -> dict:
+              max_num_seqs: int = 64, seed: int = 0, held_out: int = 8,
+              samples_file: Path | None = None) -> dict:
     """The whole recipe (module docstring): writes the head to ``out`` (one safetensors
-    file) and returns what it measured."""
+    file) and returns what it measured. ``held_out`` subjects are kept for measuring
+    `agreement`; ``samples_file`` keeps the generated samples (read instead of generating
+    when it holds those of the same model and settings)."""
     from heron.core import Engine, load_config
-    from heron.plugins.mtp.prompts import training_prompts
 
     started = time.perf_counter()
     engine = Engine(load_config(None, {
         "model.path": str(model_path), "model.dtype": "float32", "model.device": "cpu",
         "prefix_cache.enabled": False, "engine.max_num_seqs": max_num_seqs,
         "engine.max_num_batched_tokens": 2048}))
-    chat = engine.tokenizer.apply_chat_template
-    first, second = training_prompts(num_prompts, seed)
-    samples = generate_samples(engine, [chat([m]) for m in first], max_tokens)
-    texts = [engine.tokenizer.decode(s.tokens[s.num_prompt_tokens:]) for s in samples]
-    samples += generate_samples(engine, [chat([m]) for m in second(texts)], max_tokens)
+    subjects = list(SUBJECTS)
+    random.Random(seed).shuffle(subjects)
+    kept, trained_on = subjects[:held_out], subjects[held_out:]
+    key = {"model": str(model_path), "prompts": num_prompts, "max_tokens": max_tokens,
+           "seed": seed, "held_out": kept}
+    cached = torch.load(samples_file, weights_only=False) \
+        if samples_file is not None and samples_file.exists() else None
+    if cached is not None and cached["key"] == key:
+        samples, validation = cached["samples"], cached["validation"]
+        log.info("%d samples read from %s", len(samples), samples_file)
+    else:
+        samples = _generate(engine, num_prompts, max_tokens, seed, trained_on)
+        # every writing prompt on the held-out subjects, and as many edits of the answers
+        validation = _generate(engine, 2 * held_out * len(WRITE), max_tokens, seed + 1, kept)
+        if samples_file is not None:
+            samples_file.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"key": key, "samples": samples, "validation": validation},
+                       samples_file)
     generated = time.perf_counter()
     model = engine.runner.model
     vocab = draft_vocabulary(samples, draft_vocab, model.cfg.vocab_size) \
@@ -259,5 +309,6 @@ def train_mtp(model_path: Path, out: Path, *, num_prompts: int = 1500,
     return {"samples": len(samples), "output_tokens": len(outputs),
             "draft_vocab": draft_vocab if vocab is not None else model.cfg.vocab_size,
             "draft_vocab_coverage": coverage, "losses": losses,
+            "held_out_subjects": kept, "held_out_agreement": agreement(module, validation),
             "generate_seconds": generated - started,
             "train_seconds": time.perf_counter() - generated}
