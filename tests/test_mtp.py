@@ -15,7 +15,8 @@ import torch
 
 from heron.core.sampling_params import SamplingParams
 from heron.plugins.mtp.module import MtpModule
-from heron.plugins.mtp.train import chain_mask, generate_samples, new_module, train
+from heron.plugins.mtp.train import (agreement, chain_mask, generate_samples, new_module,
+                                     train)
 from tests.engine_utils import assert_no_leaks, make_engine, run_to_end
 from tests.tiny_models import build_tiny
 
@@ -186,6 +187,24 @@ def test_a_trained_head_beats_a_random_one(tmp_path, tiny):
                         SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
         rates[name] = engine.spec_stats.acceptance_rate
     assert rates["trained"] > 0.4 and rates["trained"] > 3 * rates["random"], rates
+
+
+def test_agreement_is_the_first_drafts_acceptance(tiny):
+    """`agreement`, measured offline on recorded samples, is what drafting in the engine
+    gets for its first draft (there over the positions a step drafts for, so close, not
+    equal), for the trained head and for a random one."""
+    path, hf, module = tiny
+    prompts, params = PROMPTS[6:14], SamplingParams(max_tokens=32, temperature=0.0)
+    samples = generate_samples(make_engine(path, **{"prefix_cache.enabled": False}), prompts,
+                               32)
+    torch.manual_seed(5)
+    untrained = MtpModule(hf.config, hf.model.embed_tokens.weight, hf.lm_head.weight)
+    offline = {"trained": agreement(module, samples), "random": agreement(untrained, samples)}
+    assert offline["trained"] > 0.4 and offline["random"] < 0.1, offline
+    engine = make_engine(path, **{**MTP, "speculative.num_speculative_tokens": 1})
+    engine.generate(prompts, params)
+    stats = engine.spec_stats
+    assert abs(stats.accepted_at[0] / stats.drafts - offline["trained"]) < 0.1, offline
 
 
 def test_a_checkpoint_without_an_mtp_head_is_refused(tmp_path):
