@@ -10,9 +10,9 @@ Two workloads, greedy, chat template, ``--max-tokens`` tokens per answer:
 For each workload and method (none, then each in ``--methods``), single-stream (one request
 at a time) and at ``--concurrency`` requests: decode tokens/s, and for the drafting methods
 the acceptance rate, the acceptance per draft position and the mean accepted length.
-Answers with drafts must equal the answers without. JSON to bench/results/speculative-<date>.json. Method
-``mtp`` drafts with the head ``--mtp-head`` (``make bench-speculative`` trains it once with
-``heron train-mtp``).
+Answers with drafts must equal the answers without. JSON to
+bench/results/speculative-<date>.json. Method ``mtp`` drafts with the head ``--mtp-head``
+(``make bench-speculative`` trains it once with ``heron train-mtp``).
 
     python -m bench.speculative [--methods ngram mtp] [--mtp-head H] [--num-speculative-tokens 3]
 """
@@ -62,8 +62,7 @@ def workload_prompts(name: str) -> list[str]:
     if name == "edit":
         return [f"Fix the spelling mistakes in this text and write it out again:\n\n{p}"
                 for p in PARAGRAPHS]
-    return [form.format(s) for i, s in enumerate(WRITE_SUBJECTS)
-            for form in WRITE_FORMS[i % 2:i % 2 + 1]]
+    return [WRITE_FORMS[i % 2].format(s) for i, s in enumerate(WRITE_SUBJECTS)]
 
 
 def run(engine, prompts, params, concurrency: int) -> tuple[list[list[int]], float]:

@@ -14,8 +14,9 @@ sentences of 5-30 words, fp32 on the CPU, greedy and beam search (4 beams), two 
 
 heron runs every sentence concurrently; transformers runs batches of ``--batch-size``
 sentences (padded, KV cache on). Each side runs the workload once to warm up, then
-``--repeats`` times, and its median time counts. Target tokens/s (of the returned translations, EOS included) for each and the ratio;
-JSON to bench/results/translation-<date>.json.
+``--repeats`` times, and its median time counts. Target tokens/s (of the returned
+translations, EOS included) for each and the ratio; JSON to
+bench/results/translation-<date>.json.
 
     python -m bench.translation [--num-beams 1 4] [--workloads fixed eos]
 """

@@ -1,7 +1,8 @@
 """Prompts for self-distillation (`heron.plugins.mtp.train`): requests for short texts on
 assorted subjects, then requests to edit the model's own answers (fix misspellings put
-into them, summarise, rewrite; most of them with the sentences or the words shuffled), so the head sees
-writing and input-grounded answers, and answers that copy text it could not predict."""
+into them, summarise, rewrite; most of them with the sentences or the words shuffled), so
+the head sees writing and input-grounded answers, and answers that copy text it could not
+predict."""
 
 from __future__ import annotations
 
