@@ -12,9 +12,11 @@ at a time) and at ``--concurrency`` requests: decode tokens/s, and for the draft
 the acceptance rate, the acceptance per draft position and the mean accepted length.
 Answers with drafts must equal the answers without. JSON to
 bench/results/speculative-<date>.json. Method ``mtp`` drafts with the head ``--mtp-head``
-(``make bench-speculative`` trains it once with ``heron train-mtp``).
+(``make bench-speculative`` trains it once with ``heron train-mtp``), once for each
+``--confidence-thresholds`` value.
 
     python -m bench.speculative [--methods ngram mtp] [--mtp-head H] [--num-speculative-tokens 3]
+        [--confidence-thresholds 0 0.2]
 """
 
 from __future__ import annotations
@@ -74,14 +76,14 @@ def run(engine, prompts, params, concurrency: int) -> tuple[list[list[int]], flo
 
 
 def bench(model_path: Path, method: str, workloads: list[str], k: int, max_tokens: int,
-          concurrency: int, mtp_head: Path | None = None) -> dict:
+          concurrency: int, mtp_head: Path | None = None, threshold: float = 0.0) -> dict:
     from heron.core import Engine, SamplingParams, load_config
     from heron.core.speculative import SpecStats
 
     engine = Engine(load_config(None, {
         "model.path": str(model_path), "model.dtype": "float32", "model.device": "cpu",
         "engine.max_num_seqs": concurrency, "speculative.method": method,
-        "speculative.num_speculative_tokens": k,
+        "speculative.num_speculative_tokens": k, "speculative.confidence_threshold": threshold,
         "speculative.model": str(mtp_head) if method == "mtp" else ""}))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     result = {}
@@ -115,6 +117,8 @@ def main() -> int:
     parser.add_argument("--workloads", nargs="+", choices=["edit", "write"],
                         default=["edit", "write"])
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--confidence-thresholds", type=float, nargs="+", default=[0.0],
+                        help="mtp runs once with each [speculative] confidence_threshold")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
@@ -133,14 +137,17 @@ def main() -> int:
     base = bench(model_path, "", args.workloads, args.num_speculative_tokens,
                  args.max_tokens, args.concurrency)
     runs = {"none": base}
-    for method in args.methods:
-        runs[method] = bench(model_path, method, args.workloads, args.num_speculative_tokens,
-                             args.max_tokens, args.concurrency, args.mtp_head)
-        for mode, entry in runs[method].items():
+    variants = [(m, t) for m in args.methods
+                for t in (args.confidence_thresholds if m == "mtp" else [0.0])]
+    for method, threshold in variants:
+        name = f"{method}, confidence >= {threshold}" if threshold else method
+        runs[name] = bench(model_path, method, args.workloads, args.num_speculative_tokens,
+                           args.max_tokens, args.concurrency, args.mtp_head, threshold)
+        for mode, entry in runs[name].items():
             if entry["outputs"] != base[mode]["outputs"]:
-                raise SystemExit(f"{method} {mode}: answers differ from those without drafts")
+                raise SystemExit(f"{name} {mode}: answers differ from those without drafts")
             entry["speedup"] = entry["tokens_per_s"] / base[mode]["tokens_per_s"]
-            print(f"{method} {mode}: {entry['tokens_per_s']:.1f} tok/s vs "
+            print(f"{name} {mode}: {entry['tokens_per_s']:.1f} tok/s vs "
                   f"{base[mode]['tokens_per_s']:.1f} without ({entry['speedup']:.2f}x); "
                   f"acceptance {entry['acceptance_rate']:.2f}, per position "
                   f"{[round(a, 2) for a in entry['acceptance_per_position']]}, mean accepted "

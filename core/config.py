@@ -187,12 +187,15 @@ class LoraConfig(_Section):
 class SpeculativeConfig(_Section):
     """``method``: a registered proposer (built in: ``"ngram"``, prompt lookup; ``"mtp"``,
     a multi-token-prediction head); "" is off. ``model``: where ``mtp`` finds the head's
-    weights ("" = the model's own checkpoint). ``prompt_lookup_min`` /
+    weights ("" = the model's own checkpoint). ``confidence_threshold``: ``mtp`` stops
+    drafting for a sequence once its chain's probability (the product of the drafts'
+    probabilities under the head) would fall below it. ``prompt_lookup_min`` /
     ``prompt_lookup_max``: the n-gram sizes ``ngram`` matches."""
 
     method: str = ""
     model: str = ""
     num_speculative_tokens: int = 3
+    confidence_threshold: float = 0.0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
 
@@ -200,6 +203,8 @@ class SpeculativeConfig(_Section):
         return (
             ("num_speculative_tokens", 1 <= self.num_speculative_tokens <= 16,
              "must be in 1..16"),
+            ("confidence_threshold", 0.0 <= self.confidence_threshold < 1.0,
+             "must be in [0, 1)"),
             ("prompt_lookup_min", self.prompt_lookup_min >= 1, "must be >= 1"),
             ("prompt_lookup_max", self.prompt_lookup_max >= self.prompt_lookup_min,
              "must be >= prompt_lookup_min"),

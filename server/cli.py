@@ -162,11 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="HF model directory or .gguf file "
                    "(default: SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="the .safetensors file to write")
-    p.add_argument("--prompts", type=int, default=1500, help="generated samples")
+    p.add_argument("--prompts", type=int, default=3000, help="generated samples")
     p.add_argument("--max-tokens", type=int, default=96, help="tokens per sample")
     p.add_argument("--draft-vocab", type=int, default=4096,
                    help="most frequent tokens the head drafts (0: the whole vocabulary)")
-    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--depth", type=int, default=2, help="chained drafts trained for")
     p.add_argument("--samples", help="a file keeping the generated samples, reused when it "

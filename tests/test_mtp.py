@@ -75,15 +75,21 @@ class DraftRecorder:
 
 
 @torch.no_grad()
-def reference_drafts(hf, module: MtpModule, tokens: list[int], k: int) -> list[int]:
+def reference_drafts(hf, module: MtpModule, tokens: list[int], k: int,
+                     threshold: float = 0.0) -> list[int]:
     """Drafts after ``tokens`` (the last not yet computed) from transformers' hidden states
-    and the reference module, chaining by rerunning the whole sequence of pairs."""
+    and the reference module, chaining by rerunning the whole sequence of pairs, while the
+    product of the drafts' probabilities stays at or above ``threshold``."""
     hidden = hf.model(torch.tensor([tokens[:-1]])).last_hidden_state
     pairs = torch.tensor([tokens[1:]])
-    drafts = []
+    drafts, chain = [], 1.0
     for _ in range(k):
         out = module(hidden, pairs)
-        best = int(module.logits(out[0, -1]).argmax())
+        probs = torch.softmax(module.logits(out[0, -1]), -1)
+        best = int(probs.argmax())
+        chain *= float(probs[best])
+        if chain < threshold:
+            break
         draft = best if module.draft_ids is None else int(module.draft_ids[best])
         drafts.append(draft)
         hidden = torch.cat([hidden, module.chained(out[:, -1:])], dim=1)
@@ -113,6 +119,29 @@ def test_drafts_equal_the_reference_modules(tmp_path, tiny, layout):
         assert drafts == reference_drafts(hf, module, tokens, 3), tokens
     if layout != "deepseek":
         assert all(d in set(draft_ids.tolist()) for _, ds in recorder.calls for d in ds)
+    assert_no_leaks(engine)
+
+
+def test_a_confidence_threshold_ends_chains_the_head_is_unsure_of(tiny):
+    """With ``confidence_threshold`` a sequence's drafts stop where the product of their
+    probabilities would fall below it (chains end after different drafts, some never
+    start); outputs stay the model's. The tiny head is unsure (its chains' probabilities
+    are mostly 0.03-0.5, then 0.002-0.07), hence the low threshold."""
+    path, hf, module = tiny
+    threshold = 0.05
+    overrides = {**MTP, "prefix_cache.enabled": False, "engine.max_num_seqs": 4}
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids
+             for o in make_engine(path, **overrides).generate(PROMPTS[:6], params)]
+    engine = make_engine(path, **overrides, **{"speculative.confidence_threshold": threshold})
+    recorder = DraftRecorder(engine)
+    assert [o.outputs[0].token_ids for o in engine.generate(PROMPTS[:6], params)] == plain
+    lengths = set()
+    for tokens, drafts in recorder.calls:
+        assert drafts == reference_drafts(hf, module, tokens, 3, threshold), tokens
+        lengths.add(len(drafts))
+    assert {0, 1, 2} <= lengths, lengths
+    assert not engine.proposer.caches
     assert_no_leaks(engine)
 
 

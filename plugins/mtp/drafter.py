@@ -66,8 +66,10 @@ class _Cache:
 class MtpProposer(Proposer):
     needs_hidden_states = True
 
-    def __init__(self, weights: MtpWeights, target: DraftTarget) -> None:
+    def __init__(self, weights: MtpWeights, target: DraftTarget,
+                 confidence_threshold: float = 0.0) -> None:
         self.w, self.target = weights, target
+        self.confidence_threshold = confidence_threshold
         self.shape = target.shape
         self.caches: dict[int, _Cache] = {}
 
@@ -126,30 +128,40 @@ class MtpProposer(Proposer):
         out = self._run(torch.cat(hidden), torch.tensor(tokens, device=device), positions,
                         caches, sizes)
         last = torch.tensor(sizes, device=device).cumsum(0) - 1
-        state, token = self._next(out.index_select(0, last))
+        state, token, prob = self._next(out.index_select(0, last))
         position = positions.index_select(0, last) + 1
-        verified = [c.length for c in caches]
+        verified = [(c, c.length) for c in caches]
+        chain = [1.0] * len(ready)  # the probability that every draft so far is accepted
         for step in range(k):
-            for (i, _, _), t in zip(ready, token.tolist()):
-                drafts[i].append(t)
-            if step + 1 == k:
+            going = []  # the chains that go on: their rows in this step's tensors
+            for row, ((i, _, _), t, p) in enumerate(zip(ready, token.tolist(), prob.tolist())):
+                chain[row] *= p
+                if chain[row] >= self.confidence_threshold:
+                    drafts[i].append(t)
+                    going.append(row)
+            if step + 1 == k or not going:
                 break
+            if len(going) < len(ready):
+                rows = torch.tensor(going, device=device)
+                state, token, position = (t.index_select(0, rows)
+                                          for t in (state, token, position))
+                ready, caches, chain = ([x[r] for r in going] for x in (ready, caches, chain))
             out = self._run(state, token, position, caches, [1] * len(caches))
-            state, token = self._next(out)
+            state, token, prob = self._next(out)
             position = position + 1
-        for cache, length in zip(caches, verified):  # drafts' K/V: not the sequence's
+        for cache, length in verified:  # drafts' K/V: not the sequence's
             cache.length = length
         return drafts
 
-    def _next(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The state chained to the next position and the greedy draft token, from the
-        layer's output rows."""
+    def _next(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The state chained to the next position, the greedy draft token and its
+        probability under the head, from the layer's output rows."""
         w, eps = self.w, self.target.eps
         normed, _ = rms_norm(out, w.out_norm, eps)
-        best = linear(normed, w.head).argmax(-1)
+        prob, best = torch.softmax(linear(normed, w.head).float(), -1).max(-1)
         if w.draft_token_ids is not None:
             best = w.draft_token_ids.index_select(0, best)
-        return (out if w.deepseek else normed), best
+        return (out if w.deepseek else normed), best, prob
 
     def _run(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              caches: list[_Cache], sizes: list[int]) -> torch.Tensor:

@@ -30,4 +30,5 @@ def _build_mtp(config, runner):
     path = Path(path).expanduser()
     if not path.exists():
         raise ValueError(f"[speculative] model {str(path)!r} does not exist")
-    return MtpProposer(load_mtp(path, target), target)
+    return MtpProposer(load_mtp(path, target), target,
+                       config.speculative.confidence_threshold)
