@@ -69,7 +69,8 @@ bench-translation: setup
 	$(BIN)/python -m bench.translation
 
 bench-speculative: setup $(MTP_HEAD)
-	$(BIN)/python -m bench.speculative --methods ngram mtp --mtp-head $(MTP_HEAD)
+	$(BIN)/python -m bench.speculative --methods ngram mtp --mtp-head $(MTP_HEAD) \
+		--confidence-thresholds 0 0.25
 
 bench-soak: setup
 	$(BIN)/python -m bench.soak
