@@ -13,7 +13,7 @@ import torch
 
 from heron.core.sampling_params import SamplingParams
 from heron.core.speculative import Proposer
-from heron.plugins.mtp.ngram import NgramProposer
+from heron.plugins.mtp.ngram import NgramIndex
 from tests.engine_utils import assert_no_leaks, make_engine, run_to_end
 from tests.tiny_models import build_tiny
 
@@ -52,13 +52,37 @@ def run(engine, params: list[SamplingParams]) -> list[list[int]]:
     return [done[f"r{i}"].outputs[0].token_ids for i in range(len(params))]
 
 
+def lookup(n: NgramIndex | None, tokens: list[int], k: int) -> list[int]:
+    return (n or NgramIndex(2, 3)).lookup(tokens, k)
+
+
 def test_ngram_lookup_drafts_what_followed_the_latest_match():
-    ngram = NgramProposer(2, 3)
-    assert ngram.lookup([1, 2, 3, 4, 9, 2, 3, 4, 7, 2, 3, 4], 2) == [7, 2]  # latest, 3-gram
-    assert ngram.lookup([5, 6, 1, 2, 8, 8, 1, 2], 5) == [8, 8, 1, 2]
-    assert ngram.lookup([1, 2, 3, 4], 3) == []  # the suffix never appeared before
-    assert ngram.lookup([7, 7, 7], 3) == [7]  # overlapping: what followed the 2-gram
-    assert ngram.lookup([7, 7], 3) == []  # no earlier 2-gram
+    assert lookup(None, [1, 2, 3, 4, 9, 2, 3, 4, 7, 2, 3, 4], 2) == [7, 2]  # latest, 3-gram
+    assert lookup(None, [5, 6, 1, 2, 8, 8, 1, 2], 5) == [8, 8, 1, 2]
+    assert lookup(None, [1, 2, 3, 4], 3) == []  # the suffix never appeared before
+    assert lookup(None, [7, 7, 7], 3) == [7]  # overlapping: what followed the 2-gram
+    assert lookup(None, [7, 7], 3) == []  # no earlier 2-gram
+
+
+def scan(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup by brute force: every n-gram size, every earlier start, latest first."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[-n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+@pytest.mark.parametrize("min_n, max_n", [(1, 1), (1, 4), (2, 5)])
+def test_the_ngram_index_of_a_growing_sequence_finds_what_a_full_scan_finds(min_n, max_n):
+    g = torch.Generator().manual_seed(min_n * 10 + max_n)
+    for _ in range(20):
+        tokens = torch.randint(0, 6, (3,), generator=g).tolist()  # few symbols: many repeats
+        index = NgramIndex(min_n, max_n)
+        for _ in range(60):  # a step at a time, and now and then several accepted at once
+            tokens += torch.randint(0, 6, (int(torch.randint(1, 4, (1,), generator=g)),),
+                                    generator=g).tolist()
+            assert index.lookup(tokens, 3) == scan(tokens, 3, min_n, max_n)
 
 
 class OracleProposer(Proposer):
