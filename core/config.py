@@ -189,13 +189,15 @@ class SpeculativeConfig(_Section):
     a multi-token-prediction head); "" is off. ``model``: where ``mtp`` finds the head's
     weights ("" = the model's own checkpoint). ``confidence_threshold``: ``mtp`` stops
     drafting for a sequence once its chain's probability (the product of the drafts'
-    probabilities under the head) would fall below it. ``prompt_lookup_min`` /
-    ``prompt_lookup_max``: the n-gram sizes ``ngram`` matches."""
+    probabilities under the head) would fall below it. ``disable_by_batch_size``: no
+    drafts in a step with more running sequences than this (0: no limit). ``prompt_lookup_min``
+    / ``prompt_lookup_max``: the n-gram sizes ``ngram`` matches."""
 
     method: str = ""
     model: str = ""
     num_speculative_tokens: int = 3
     confidence_threshold: float = 0.0
+    disable_by_batch_size: int = 0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
 
@@ -205,6 +207,7 @@ class SpeculativeConfig(_Section):
              "must be in 1..16"),
             ("confidence_threshold", 0.0 <= self.confidence_threshold < 1.0,
              "must be in [0, 1)"),
+            ("disable_by_batch_size", self.disable_by_batch_size >= 0, "must be >= 0"),
             ("prompt_lookup_min", self.prompt_lookup_min >= 1, "must be >= 1"),
             ("prompt_lookup_max", self.prompt_lookup_max >= self.prompt_lookup_min,
              "must be >= prompt_lookup_min"),

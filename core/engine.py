@@ -430,9 +430,13 @@ class Engine:
         """Drafts for the running sequences that decode this step, within their limits (the
         token the target adds after the drafts must still fit max_tokens and the context).
         Not before a sequence's first token: that one's row also serves its unforked
-        siblings (``n > 1``)."""
-        k = self.config.speculative.num_speculative_tokens
-        seqs = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1
+        siblings (``n > 1``). None while more sequences run than
+        ``disable_by_batch_size``."""
+        spec, running = self.config.speculative, self.scheduler.running
+        if 0 < spec.disable_by_batch_size < len(running):
+            return
+        k = spec.num_speculative_tokens
+        seqs = [s for s in running if s.num_uncomputed_tokens == 1
                 and s.num_output_tokens and s.params.speculative and s.params.num_beams == 1]
         if not seqs:
             return

@@ -48,6 +48,7 @@ def test_test_toml_loads():
     ("[nope]\nx = 1\n", "nope", "unknown field"),
     ("[model]\ntgt_lang = \"fr\"\n", "tgt_lang", "must be an NLLB language code"),
     ("[speculative]\nconfidence_threshold = 1.0\n", "confidence_threshold", "must be in [0, 1)"),
+    ("[speculative]\ndisable_by_batch_size = -1\n", "disable_by_batch_size", "must be >= 0"),
 ])
 def test_rejections_name_file_and_key(tmp_path, text, key, reason):
     path = tmp_path / "bad.toml"

@@ -97,8 +97,11 @@ def reference_drafts(hf, module: MtpModule, tokens: list[int], k: int,
     return drafts
 
 
-@pytest.mark.parametrize("layout", ["deepseek", "qwen3-next+draft-vocab"])
-def test_drafts_equal_the_reference_modules(tmp_path, tiny, layout):
+@pytest.mark.parametrize("layout, disable_by_batch_size", [
+    ("deepseek", 0), ("qwen3-next+draft-vocab", 0),
+    ("deepseek", 2),  # sequences draft again after steps without drafts
+])
+def test_drafts_equal_the_reference_modules(tmp_path, tiny, layout, disable_by_batch_size):
     path, hf, trained = tiny
     if layout != "deepseek":  # the same weights, Qwen3-Next's names, 200 draft tokens
         draft_ids = torch.randperm(320, generator=torch.Generator().manual_seed(3))[:200]
@@ -109,11 +112,12 @@ def test_drafts_equal_the_reference_modules(tmp_path, tiny, layout):
         path = with_head(tmp_path, tiny, module)
     else:
         module = trained
-    engine = make_engine(path, **MTP, **{"prefix_cache.enabled": False,
-                                         "engine.max_num_seqs": 3})
+    engine = make_engine(path, **MTP, **{
+        "prefix_cache.enabled": False, "engine.max_num_seqs": 3,
+        "speculative.disable_by_batch_size": disable_by_batch_size})
     recorder = DraftRecorder(engine)
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    engine.generate(PROMPTS[:5], params)
+    engine.generate(PROMPTS[:5], [SamplingParams(max_tokens=8 + 4 * i, temperature=0.0,
+                                                 ignore_eos=True) for i in range(5)])
     assert len(recorder.calls) > 20
     for tokens, drafts in recorder.calls:
         assert drafts == reference_drafts(hf, module, tokens, 3), tokens

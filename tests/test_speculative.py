@@ -133,6 +133,28 @@ def test_greedy_outputs_are_identical_with_drafts(request, model, overrides, pro
     assert_no_leaks(engine)
 
 
+def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size(tiny):
+    path, _ = tiny
+    # requests end one after another: 6 run, then fewer
+    params = [SamplingParams(max_tokens=6 + 6 * i, temperature=0.0, ignore_eos=True)
+              for i in range(len(prompts()))]
+    plain = run(make_engine(path), params)
+    engine = make_engine(path, **NGRAM, **{"speculative.disable_by_batch_size": 2})
+    engine.proposer = OracleProposer(prompts(), plain)
+    running_when_asked = []
+    propose = engine.proposer.propose
+
+    def recording(seqs, k):
+        running_when_asked.append(len(engine.scheduler.running))
+        return propose(seqs, k)
+
+    engine.proposer.propose = recording
+    assert run(engine, params) == plain
+    assert running_when_asked and max(running_when_asked) == 2
+    assert engine.spec_stats.accepted_tokens > 0
+    assert_no_leaks(engine)
+
+
 @pytest.mark.parametrize("model", ["tiny", "hybrid"])
 def test_seeded_sampling_gives_the_same_tokens_with_drafts(request, model):
     path, _ = request.getfixturevalue(model)
