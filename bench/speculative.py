@@ -13,10 +13,11 @@ the acceptance rate, the acceptance per draft position and the mean accepted len
 Answers with drafts must equal the answers without. JSON to
 bench/results/speculative-<date>.json. Method ``mtp`` drafts with the head ``--mtp-head``
 (``make bench-speculative`` trains it once with ``heron train-mtp``), once for each
-``--confidence-thresholds`` value.
+``--confidence-thresholds`` value; with ``--disable-by-batch-size N`` each method runs once
+more without drafts in steps of more than N sequences.
 
     python -m bench.speculative [--methods ngram mtp] [--mtp-head H] [--num-speculative-tokens 3]
-        [--confidence-thresholds 0 0.2]
+        [--confidence-thresholds 0 0.2] [--disable-by-batch-size 4]
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def run(engine, prompts, params, concurrency: int) -> tuple[list[list[int]], flo
 
 
 def bench(model_path: Path, method: str, workloads: list[str], k: int, max_tokens: int,
-          concurrency: int, mtp_head: Path | None = None, threshold: float = 0.0) -> dict:
+          concurrency: int, mtp_head: Path | None = None, threshold: float = 0.0,
+          disable_by_batch_size: int = 0) -> dict:
     from heron.core import Engine, SamplingParams, load_config
     from heron.core.speculative import SpecStats
 
@@ -84,6 +86,7 @@ def bench(model_path: Path, method: str, workloads: list[str], k: int, max_token
         "model.path": str(model_path), "model.dtype": "float32", "model.device": "cpu",
         "engine.max_num_seqs": concurrency, "speculative.method": method,
         "speculative.num_speculative_tokens": k, "speculative.confidence_threshold": threshold,
+        "speculative.disable_by_batch_size": disable_by_batch_size,
         "speculative.model": str(mtp_head) if method == "mtp" else ""}))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     result = {}
@@ -119,6 +122,9 @@ def main() -> int:
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--confidence-thresholds", type=float, nargs="+", default=[0.0],
                         help="mtp runs once with each [speculative] confidence_threshold")
+    parser.add_argument("--disable-by-batch-size", type=int, default=0,
+                        help="> 0: each method runs once more with this "
+                             "[speculative] disable_by_batch_size")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
@@ -137,12 +143,16 @@ def main() -> int:
     base = bench(model_path, "", args.workloads, args.num_speculative_tokens,
                  args.max_tokens, args.concurrency)
     runs = {"none": base}
-    variants = [(m, t) for m in args.methods
+    variants = [(m, t, 0) for m in args.methods
                 for t in (args.confidence_thresholds if m == "mtp" else [0.0])]
-    for method, threshold in variants:
-        name = f"{method}, confidence >= {threshold}" if threshold else method
+    if args.disable_by_batch_size:
+        variants += [(m, 0.0, args.disable_by_batch_size) for m in args.methods]
+    for method, threshold, disable in variants:
+        name = (f"{method}, confidence >= {threshold}" if threshold else
+                f"{method}, disable_by_batch_size = {disable}" if disable else method)
         runs[name] = bench(model_path, method, args.workloads, args.num_speculative_tokens,
-                           args.max_tokens, args.concurrency, args.mtp_head, threshold)
+                           args.max_tokens, args.concurrency, args.mtp_head, threshold,
+                           disable)
         for mode, entry in runs[name].items():
             if entry["outputs"] != base[mode]["outputs"]:
                 raise SystemExit(f"{name} {mode}: answers differ from those without drafts")
