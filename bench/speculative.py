@@ -13,11 +13,13 @@ the acceptance rate, the acceptance per draft position and the mean accepted len
 Answers with drafts must equal the answers without. JSON to
 bench/results/speculative-<date>.json. Method ``mtp`` drafts with the head ``--mtp-head``
 (``make bench-speculative`` trains it once with ``heron train-mtp``), once for each
-``--confidence-thresholds`` value; with ``--disable-by-batch-size N`` each method runs once
-more without drafts in steps of more than N sequences.
+``--confidence-thresholds`` value, its projections in ``--draft-dtype``; with
+``--disable-by-batch-size N`` each method runs once more without drafts in steps of more
+than N sequences.
 
     python -m bench.speculative [--methods ngram mtp] [--mtp-head H] [--num-speculative-tokens 3]
         [--confidence-thresholds 0 0.2] [--disable-by-batch-size 4]
+        [--draft-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def run(engine, prompts, params, concurrency: int) -> tuple[list[list[int]], flo
 
 def bench(model_path: Path, method: str, workloads: list[str], k: int, max_tokens: int,
           concurrency: int, mtp_head: Path | None = None, threshold: float = 0.0,
-          disable_by_batch_size: int = 0) -> dict:
+          disable_by_batch_size: int = 0, draft_dtype: str = "auto") -> dict:
     from heron.core import Engine, SamplingParams, load_config
     from heron.core.speculative import SpecStats
 
@@ -87,6 +89,7 @@ def bench(model_path: Path, method: str, workloads: list[str], k: int, max_token
         "engine.max_num_seqs": concurrency, "speculative.method": method,
         "speculative.num_speculative_tokens": k, "speculative.confidence_threshold": threshold,
         "speculative.disable_by_batch_size": disable_by_batch_size,
+        "speculative.draft_dtype": draft_dtype,
         "speculative.model": str(mtp_head) if method == "mtp" else ""}))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     result = {}
@@ -122,6 +125,8 @@ def main() -> int:
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--confidence-thresholds", type=float, nargs="+", default=[0.0],
                         help="mtp runs once with each [speculative] confidence_threshold")
+    parser.add_argument("--draft-dtype", default="auto",
+                        help="[speculative] draft_dtype of the mtp runs")
     parser.add_argument("--disable-by-batch-size", type=int, default=0,
                         help="> 0: each method runs once more with this "
                              "[speculative] disable_by_batch_size")
@@ -152,7 +157,7 @@ def main() -> int:
                 f"{method}, disable_by_batch_size = {disable}" if disable else method)
         runs[name] = bench(model_path, method, args.workloads, args.num_speculative_tokens,
                            args.max_tokens, args.concurrency, args.mtp_head, threshold,
-                           disable)
+                           disable, args.draft_dtype)
         for mode, entry in runs[name].items():
             if entry["outputs"] != base[mode]["outputs"]:
                 raise SystemExit(f"{name} {mode}: answers differ from those without drafts")
@@ -169,6 +174,7 @@ def main() -> int:
               "machine": platform.processor() or platform.machine(), "threads": args.threads,
               "model": model_path.name, "max_tokens": args.max_tokens,
               "num_speculative_tokens": args.num_speculative_tokens,
+              "draft_dtype": args.draft_dtype,
               "prompts": {w: workload_prompts(w) for w in args.workloads}, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -189,7 +189,9 @@ class SpeculativeConfig(_Section):
     a multi-token-prediction head); "" is off. ``model``: where ``mtp`` finds the head's
     weights ("" = the model's own checkpoint). ``confidence_threshold``: ``mtp`` stops
     drafting for a sequence once its chain's probability (the product of the drafts'
-    probabilities under the head) would fall below it. ``disable_by_batch_size``: no
+    probabilities under the head) would fall below it. ``draft_dtype``: the dtype of the
+    ``mtp`` head's projections ("auto": the model's); its activations stay in the model's.
+    ``disable_by_batch_size``: no
     drafts in a step with more running sequences than this (0: no limit). ``prompt_lookup_min``
     / ``prompt_lookup_max``: the n-gram sizes ``ngram`` matches."""
 
@@ -197,6 +199,7 @@ class SpeculativeConfig(_Section):
     model: str = ""
     num_speculative_tokens: int = 3
     confidence_threshold: float = 0.0
+    draft_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     disable_by_batch_size: int = 0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4

@@ -45,6 +45,7 @@ def test_test_toml_loads():
     ("[engine]\nblock_size = \"big\"\n", "block_size", "Expected `int`"),
     ("[engine]\nblock_size = 0\n", "block_size", "must be in 1..1024"),
     ("[model]\ndtype = \"int4\"\n", "dtype", "Invalid enum value"),
+    ("[speculative]\ndraft_dtype = \"int8\"\n", "draft_dtype", "Invalid enum value"),
     ("[nope]\nx = 1\n", "nope", "unknown field"),
     ("[model]\ntgt_lang = \"fr\"\n", "tgt_lang", "must be an NLLB language code"),
     ("[speculative]\nconfidence_threshold = 1.0\n", "confidence_threshold", "must be in [0, 1)"),

@@ -149,6 +149,33 @@ def test_a_confidence_threshold_ends_chains_the_head_is_unsure_of(tiny):
     assert_no_leaks(engine)
 
 
+def test_a_bf16_head_drafts_almost_what_the_fp32_one_does_and_changes_no_output(tiny):
+    """``draft_dtype = "bfloat16"``: the head's projections in bf16 (the rest stays fp32).
+    Rounding may change a draft where the head's top two logits nearly tie, never an
+    output."""
+    path, hf, module = tiny
+    overrides = {"prefix_cache.enabled": False, "engine.max_num_seqs": 4}
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids
+             for o in make_engine(path, **overrides).generate(PROMPTS[:8], params)]
+    engine = make_engine(path, **overrides, **MTP, **{"speculative.draft_dtype": "bfloat16"})
+    w = engine.proposer.w
+    assert {w.proj.dtype, w.head.dtype, w.layer.gate_up.dtype, w.layer.attn.qkv.dtype} == {
+        torch.bfloat16}
+    assert w.out_norm.dtype == torch.float32
+    recorder = DraftRecorder(engine)
+    assert [o.outputs[0].token_ids for o in engine.generate(PROMPTS[:8], params)] == plain
+    same = total = 0
+    for tokens, drafts in recorder.calls:
+        want = reference_drafts(hf, module, tokens, 3)
+        assert len(drafts) == len(want)
+        same += drafts[0] == want[0]
+        total += 1
+    assert total > 30 and same >= 0.9 * total, (same, total)
+    assert engine.spec_stats.accepted_tokens > 0
+    assert_no_leaks(engine)
+
+
 @pytest.mark.parametrize("overrides", [
     {},
     {"engine.max_num_seqs": 2},  # requests join while others verify drafts

@@ -19,6 +19,8 @@ def _build_ngram(config, runner):
 def _build_mtp(config, runner):
     from pathlib import Path
 
+    import torch
+
     from heron.plugins.mtp.drafter import MtpProposer
     from heron.plugins.mtp.weights import DraftTarget, load_mtp
     target = DraftTarget.of(getattr(runner, "model", None))
@@ -30,5 +32,6 @@ def _build_mtp(config, runner):
     path = Path(path).expanduser()
     if not path.exists():
         raise ValueError(f"[speculative] model {str(path)!r} does not exist")
-    return MtpProposer(load_mtp(path, target), target,
-                       config.speculative.confidence_threshold)
+    spec = config.speculative
+    dtype = None if spec.draft_dtype == "auto" else getattr(torch, spec.draft_dtype)
+    return MtpProposer(load_mtp(path, target, dtype), target, spec.confidence_threshold)

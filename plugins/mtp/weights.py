@@ -103,9 +103,11 @@ def _keys(path: Path) -> list[str]:
     return names
 
 
-def load_mtp(path: Path, target: DraftTarget) -> MtpWeights:
+def load_mtp(path: Path, target: DraftTarget,
+             projection_dtype: torch.dtype | None = None) -> MtpWeights:
     """The MTP module in the checkpoint at ``path`` (a directory or one ``.safetensors``
-    file) for ``target``; ValueError naming what is missing."""
+    file) for ``target``, its projections in ``projection_dtype`` (None: the target's);
+    ValueError naming what is missing."""
     names = _keys(path)
     layers = sorted(int(m.group(1)) for n in names if (m := _DEEPSEEK.fullmatch(n)))
     if layers:
@@ -152,9 +154,24 @@ def load_mtp(path: Path, target: DraftTarget) -> MtpWeights:
     if draft_ids is not None and head.shape[0] != draft_ids.shape[0]:
         raise ValueError(f"MTP weights in {str(path)!r}: {head.shape[0]} head rows for "
                          f"{draft_ids.shape[0]} draft_token_ids")
-    return MtpWeights(
+    weights = MtpWeights(
         embed=target.embed if embed is None else embed, embed_norm=embed_norm,
         hidden_norm=hidden_norm, proj=pack_weight(proj), layer=layer, out_norm=out_norm,
         head=head,
         draft_token_ids=None if draft_ids is None else draft_ids.to(device),
         deepseek=deepseek)
+    if projection_dtype not in (None, dtype):
+        _cast_projections(weights, projection_dtype)
+    return weights
+
+
+def _cast_projections(w: MtpWeights, dtype: torch.dtype) -> None:
+    """``w``'s projection weights, in place, as ``dtype`` (new tensors: the head may be the
+    target's). Norms, biases and the embedding keep theirs."""
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return pack_weight(unpack_weight(t).to(dtype))
+
+    attn, layer = w.layer.attn, w.layer
+    attn.qkv, attn.o = cast(attn.qkv), cast(attn.o)
+    layer.gate_up, layer.down = cast(layer.gate_up), cast(layer.down)
+    w.proj, w.head = cast(w.proj), cast(w.head)
