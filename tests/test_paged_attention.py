@@ -33,7 +33,8 @@ def written_out(case) -> torch.Tensor:
 @pytest.mark.parametrize("query_lens, seq_lens", [
     ([1, 1, 1], [5, 17, 9]),            # decode
     ([1, 4, 3, 1, 2], [7, 20, 3, 1, 33]),  # decode rows with drafts and short prompts: padded
-    ([2, 2, 2, 2], [2, 2, 2, 2]),        # short prompts only: padded
+    ([2, 2, 2, 2], [2, 2, 2, 2]),        # short prompts of one length: nothing to pad
+    ([4, 4, 4], [10, 21, 6]),            # decode rows with as many drafts: nothing to pad
     ([90, 1, 1], [90, 5, 9]),            # one long prompt: a sequence at a time
 ])
 def test_paged_attention_matches_attention_written_out(query_lens, seq_lens):

@@ -41,11 +41,15 @@ def _padded(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
                                               scale=scale, enable_gqa=True).squeeze(2)
     place, causal = meta.padded_queries
     width, (heads, head_dim) = meta.max_query_len, q.shape[1:]
-    padded = q.new_zeros(meta.num_seqs * width, heads, head_dim).index_copy_(0, place, q)
-    padded = padded.view(meta.num_seqs, width, heads, head_dim).transpose(1, 2)
+    # every sequence with `width` queries (one prompt; drafts of one length): no padding
+    padding = meta.num_seqs * width != q.shape[0]
+    padded = q.new_zeros(meta.num_seqs * width, heads, head_dim).index_copy_(0, place, q) \
+        if padding else q
+    padded = padded.reshape(meta.num_seqs, width, heads, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(padded, k, v, attn_mask=causal, scale=scale,
                                          enable_gqa=True)  # [B, Hq, width, D]
-    return out.transpose(1, 2).reshape(-1, heads, head_dim).index_select(0, place)
+    out = out.transpose(1, 2).reshape(-1, heads, head_dim)
+    return out.index_select(0, place) if padding else out
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
