@@ -191,9 +191,9 @@ class SpeculativeConfig(_Section):
     drafting for a sequence once its chain's probability (the product of the drafts'
     probabilities under the head) would fall below it. ``draft_dtype``: the dtype of the
     ``mtp`` head's projections ("auto": the model's); its activations stay in the model's.
-    ``disable_by_batch_size``: no
-    drafts in a step with more running sequences than this (0: no limit). ``prompt_lookup_min``
-    / ``prompt_lookup_max``: the n-gram sizes ``ngram`` matches."""
+    ``disable_by_batch_size``: no drafts in a step with more running sequences than this
+    (0: no limit). ``prompt_lookup_min`` / ``prompt_lookup_max``: the n-gram sizes
+    ``ngram`` matches."""
 
     method: str = ""
     model: str = ""
