@@ -17,8 +17,8 @@ class MtpModule(nn.Module):
     final hidden states at positions ``0 .. T-1``, ``tokens [B, T]`` the token after each
     (``t_{j+1}``); returns the layer's output ``[B, T, H]`` (causal), whose `logits`
     predict ``t_{j+2}``. Training passes rows at other ``positions [T]`` (chained drafts'
-    rows) with their own attention ``mask [T, T]`` (True: attends). ``embed`` and ``head`` (``[V', H]``, the rows of ``draft_ids``)
-    are the target's and stay frozen."""
+    rows) with their own attention ``mask [T, T]`` (True: attends). ``embed`` and ``head``
+    (``[V', H]``, the rows of ``draft_ids``) are the target's and stay frozen."""
 
     def __init__(self, config, embed: torch.Tensor, head: torch.Tensor,
                  draft_ids: torch.Tensor | None = None, deepseek: bool = True) -> None:
