@@ -52,16 +52,16 @@ def run(engine, params: list[SamplingParams]) -> list[list[int]]:
     return [done[f"r{i}"].outputs[0].token_ids for i in range(len(params))]
 
 
-def lookup(n: NgramIndex | None, tokens: list[int], k: int) -> list[int]:
-    return (n or NgramIndex(2, 3)).lookup(tokens, k)
+def lookup(tokens: list[int], k: int) -> list[int]:
+    return NgramIndex(2, 3).lookup(tokens, k)
 
 
 def test_ngram_lookup_drafts_what_followed_the_latest_match():
-    assert lookup(None, [1, 2, 3, 4, 9, 2, 3, 4, 7, 2, 3, 4], 2) == [7, 2]  # latest, 3-gram
-    assert lookup(None, [5, 6, 1, 2, 8, 8, 1, 2], 5) == [8, 8, 1, 2]
-    assert lookup(None, [1, 2, 3, 4], 3) == []  # the suffix never appeared before
-    assert lookup(None, [7, 7, 7], 3) == [7]  # overlapping: what followed the 2-gram
-    assert lookup(None, [7, 7], 3) == []  # no earlier 2-gram
+    assert lookup([1, 2, 3, 4, 9, 2, 3, 4, 7, 2, 3, 4], 2) == [7, 2]  # latest, 3-gram
+    assert lookup([5, 6, 1, 2, 8, 8, 1, 2], 5) == [8, 8, 1, 2]
+    assert lookup([1, 2, 3, 4], 3) == []  # the suffix never appeared before
+    assert lookup([7, 7, 7], 3) == [7]  # overlapping: what followed the 2-gram
+    assert lookup([7, 7], 3) == []  # no earlier 2-gram
 
 
 def scan(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
