@@ -15,11 +15,11 @@ bench/results/speculative-<date>.json. Method ``mtp`` drafts with the head ``--m
 (``make bench-speculative`` trains it once with ``heron train-mtp``), once for each
 ``--confidence-thresholds`` value, its projections in ``--draft-dtype``; with
 ``--disable-by-batch-size N`` each method runs once more without drafts in steps of more
-than N sequences.
+than N sequences; with ``--prompt-lookup`` mtp runs once more with prompt lookup first.
 
     python -m bench.speculative [--methods ngram mtp] [--mtp-head H] [--num-speculative-tokens 3]
         [--confidence-thresholds 0 0.2] [--disable-by-batch-size 4]
-        [--draft-dtype bfloat16]
+        [--draft-dtype bfloat16] [--prompt-lookup]
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def run(engine, prompts, params, concurrency: int) -> tuple[list[list[int]], flo
 
 def bench(model_path: Path, method: str, workloads: list[str], k: int, max_tokens: int,
           concurrency: int, mtp_head: Path | None = None, threshold: float = 0.0,
-          disable_by_batch_size: int = 0, draft_dtype: str = "auto") -> dict:
+          disable_by_batch_size: int = 0, draft_dtype: str = "auto",
+          prompt_lookup: bool = False) -> dict:
     from heron.core import Engine, SamplingParams, load_config
     from heron.core.speculative import SpecStats
 
@@ -89,7 +90,7 @@ def bench(model_path: Path, method: str, workloads: list[str], k: int, max_token
         "engine.max_num_seqs": concurrency, "speculative.method": method,
         "speculative.num_speculative_tokens": k, "speculative.confidence_threshold": threshold,
         "speculative.disable_by_batch_size": disable_by_batch_size,
-        "speculative.draft_dtype": draft_dtype,
+        "speculative.draft_dtype": draft_dtype, "speculative.prompt_lookup": prompt_lookup,
         "speculative.model": str(mtp_head) if method == "mtp" else ""}))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     result = {}
@@ -130,6 +131,8 @@ def main() -> int:
     parser.add_argument("--disable-by-batch-size", type=int, default=0,
                         help="> 0: each method runs once more with this "
                              "[speculative] disable_by_batch_size")
+    parser.add_argument("--prompt-lookup", action="store_true",
+                        help="mtp runs once more with [speculative] prompt_lookup")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
@@ -148,16 +151,19 @@ def main() -> int:
     base = bench(model_path, "", args.workloads, args.num_speculative_tokens,
                  args.max_tokens, args.concurrency)
     runs = {"none": base}
-    variants = [(m, t, 0) for m in args.methods
+    variants = [(m, t, 0, False) for m in args.methods
                 for t in (args.confidence_thresholds if m == "mtp" else [0.0])]
+    if args.prompt_lookup and "mtp" in args.methods:
+        variants.append(("mtp", 0.0, 0, True))
     if args.disable_by_batch_size:
-        variants += [(m, 0.0, args.disable_by_batch_size) for m in args.methods]
-    for method, threshold, disable in variants:
+        variants += [(m, 0.0, args.disable_by_batch_size, False) for m in args.methods]
+    for method, threshold, disable, lookup in variants:
         name = (f"{method}, confidence >= {threshold}" if threshold else
-                f"{method}, disable_by_batch_size = {disable}" if disable else method)
+                f"{method}, disable_by_batch_size = {disable}" if disable else
+                f"{method}, prompt_lookup" if lookup else method)
         runs[name] = bench(model_path, method, args.workloads, args.num_speculative_tokens,
                            args.max_tokens, args.concurrency, args.mtp_head, threshold,
-                           disable, args.draft_dtype)
+                           disable, args.draft_dtype, lookup)
         for mode, entry in runs[name].items():
             if entry["outputs"] != base[mode]["outputs"]:
                 raise SystemExit(f"{name} {mode}: answers differ from those without drafts")

@@ -192,8 +192,10 @@ class SpeculativeConfig(_Section):
     probabilities under the head) would fall below it. ``draft_dtype``: the dtype of the
     ``mtp`` head's projections ("auto": the model's); its activations stay in the model's.
     ``disable_by_batch_size``: no drafts in a step with more running sequences than this
-    (0: no limit). ``prompt_lookup_min`` / ``prompt_lookup_max``: the n-gram sizes
-    ``ngram`` matches."""
+    (0: no limit). ``prompt_lookup``: with another method, a sequence whose last n-gram
+    occurred before drafts by prompt lookup, and only the others by the method.
+    ``prompt_lookup_min`` / ``prompt_lookup_max``: the n-gram sizes ``ngram`` (and
+    ``prompt_lookup``) match."""
 
     method: str = ""
     model: str = ""
@@ -201,6 +203,7 @@ class SpeculativeConfig(_Section):
     confidence_threshold: float = 0.0
     draft_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     disable_by_batch_size: int = 0
+    prompt_lookup: bool = False
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
 

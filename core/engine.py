@@ -32,7 +32,7 @@ from heron.core.sampler import Sampler
 from heron.core.sampling_params import SamplingParams
 from heron.core.scheduler import Scheduler
 from heron.core.sequence import Sequence, SequenceStatus
-from heron.core.speculative import Proposer, SpecStats
+from heron.core.speculative import LookupFirst, Proposer, SpecStats
 from heron.core.state_pool import StatePool, snapshot_bytes
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,14 @@ class Engine:
         if self.runner.is_encoder_decoder:
             raise ValueError(f"speculative decoding is not available for model "
                              f"{self.runner.info.name!r}: an encoder-decoder")
-        return build(self.config, self.runner)
+        proposer = build(self.config, self.runner)
+        if spec.prompt_lookup and spec.method != "ngram":
+            lookup = self.plugins.proposers.get("ngram")
+            if lookup is None:
+                raise ValueError("[speculative] prompt_lookup needs the 'ngram' proposer, "
+                                 "which no plugin registered")
+            proposer = LookupFirst(lookup(self.config, self.runner), proposer)
+        return proposer
 
     def set_proposer(self, proposer: Proposer) -> None:
         """Draft with ``proposer`` from the next step on (one built from the config is set

@@ -69,6 +69,37 @@ class Proposer(ABC):
         preempted). Must not raise."""
 
 
+class LookupFirst(Proposer):
+    """Prompt lookup where it finds something, ``model`` (a proposer that drafts with
+    weights, such as an MTP head) for the other sequences: on input-grounded text lookup's
+    drafts are accepted far more often where they exist, and the head covers the steps
+    where they do not. ``model`` observes every step's hidden states, also those of the
+    steps lookup drafted, so its state stays whole."""
+
+    def __init__(self, lookup: Proposer, model: Proposer) -> None:
+        self.lookup, self.model = lookup, model
+        self.needs_hidden_states = model.needs_hidden_states
+
+    def propose(self, seqs: list[Sequence], k: int) -> list[list[int]]:
+        drafts = self.lookup.propose(seqs, k)
+        rest = [i for i, d in enumerate(drafts) if not d]
+        if rest:
+            for i, d in zip(rest, self.model.propose([seqs[i] for i in rest], k)):
+                drafts[i] = d
+        return drafts
+
+    def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        self.model.observe(seq, start, hidden)
+
+    def fork_sequence(self, parent: Sequence, child: Sequence) -> None:
+        self.lookup.fork_sequence(parent, child)
+        self.model.fork_sequence(parent, child)
+
+    def free_sequence(self, seq: Sequence) -> None:
+        self.lookup.free_sequence(seq)
+        self.model.free_sequence(seq)
+
+
 @dataclass
 class SpecStats:
     """Cumulative counts: ``drafts`` verifications run, ``draft_tokens`` proposed,

@@ -15,6 +15,7 @@ import torch
 
 from heron.core.sampling_params import SamplingParams
 from heron.plugins.mtp.module import MtpModule
+from heron.plugins.mtp.ngram import NgramIndex
 from heron.plugins.mtp.train import (agreement, chain_mask, generate_samples, new_module,
                                      train)
 from tests.engine_utils import assert_no_leaks, make_engine, run_to_end
@@ -176,11 +177,32 @@ def test_a_bf16_head_drafts_almost_what_the_fp32_one_does_and_changes_no_output(
     assert_no_leaks(engine)
 
 
+def test_prompt_lookup_drafts_where_it_matches_and_the_head_elsewhere(tiny):
+    """With ``prompt_lookup`` a sequence whose last n-gram occurred before drafts what
+    followed it, the others draft with the head; the head saw every position, those of the
+    steps lookup drafted for too, so its drafts are the reference module's."""
+    path, hf, module = tiny
+    engine = make_engine(path, **MTP, **{"prefix_cache.enabled": False,
+                                         "speculative.prompt_lookup": True,
+                                         "speculative.prompt_lookup_min": 1})
+    recorder = DraftRecorder(engine)
+    engine.generate(PROMPTS[:6], SamplingParams(max_tokens=32, temperature=0.0,
+                                                ignore_eos=True))
+    looked_up = 0
+    for tokens, drafts in recorder.calls:
+        lookup = NgramIndex(1, 4).lookup(tokens, 3)  # random text: few longer matches
+        assert drafts == (lookup or reference_drafts(hf, module, tokens, 3)), tokens
+        looked_up += bool(lookup)
+    assert 5 < looked_up < len(recorder.calls) - 5
+    assert_no_leaks(engine)
+
+
 @pytest.mark.parametrize("overrides", [
     {},
     {"engine.max_num_seqs": 2},  # requests join while others verify drafts
     {"engine.num_kv_blocks": 40, "engine.block_size": 4},  # preemption
-], ids=["one-batch", "staggered", "preempted"])
+    {"speculative.prompt_lookup": True, "engine.num_kv_blocks": 40, "engine.block_size": 4},
+], ids=["one-batch", "staggered", "preempted", "lookup-first-preempted"])
 def test_greedy_outputs_are_identical_with_mtp_drafts(tiny, overrides):
     path, _, _ = tiny
     prompts = PROMPTS[:6]
@@ -205,7 +227,11 @@ def test_greedy_outputs_are_identical_with_mtp_drafts(tiny, overrides):
         assert engine.scheduler.prefix_hit_tokens > 0
     if "engine.num_kv_blocks" in overrides:
         assert engine.scheduler.num_preemptions > 0
-    assert not engine.proposer.caches  # every sequence's drafting state was dropped
+    proposer = engine.proposer
+    if "speculative.prompt_lookup" in overrides:
+        assert not proposer.lookup.indexes
+        proposer = proposer.model
+    assert not proposer.caches  # every sequence's drafting state was dropped
     assert_no_leaks(engine)
 
 
