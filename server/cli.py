@@ -114,8 +114,10 @@ def cmd_train_mtp(args) -> int:
         torch.set_num_threads(args.threads)
     result = train_mtp(model, Path(args.out), num_prompts=args.prompts,
                        max_tokens=args.max_tokens, draft_vocab=args.draft_vocab,
-                       epochs=args.epochs, lr=args.lr, depth=args.depth, seed=args.seed,
-                       samples_file=Path(args.samples) if args.samples else None)
+                       epochs=args.epochs, lr=args.lr, depth=args.depth,
+                       num_copy_prompts=args.copy_prompts, copy_epochs=args.copy_epochs,
+                       seed=args.seed, samples_file=Path(args.samples) if args.samples else None,
+                       init=Path(args.init) if args.init else None)
     print(json.dumps({"out": args.out, **result}, indent=2))
     return 0
 
@@ -169,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--depth", type=int, default=2, help="chained drafts trained for")
+    p.add_argument("--copy-prompts", type=int, default=512,
+                   help="samples of the copying stage (0: none)")
+    p.add_argument("--copy-epochs", type=int, default=12)
+    p.add_argument("--init", help="a head written before: only the copying stage runs, on it")
     p.add_argument("--samples", help="a file keeping the generated samples, reused when it "
                                      "holds those of the same model and settings")
     p.add_argument("--threads", type=int, help="torch CPU threads")

@@ -16,8 +16,9 @@ import torch
 from heron.core.sampling_params import SamplingParams
 from heron.plugins.mtp.module import MtpModule
 from heron.plugins.mtp.ngram import NgramIndex
-from heron.plugins.mtp.train import (agreement, chain_mask, generate_samples, new_module,
-                                     train)
+from heron.plugins.mtp.prompts import COPY, copy_prompts
+from heron.plugins.mtp.train import (agreement, chain_mask, generate_samples, load_module,
+                                     new_module, train)
 from tests.engine_utils import assert_no_leaks, make_engine, run_to_end
 from tests.tiny_models import build_tiny
 
@@ -273,6 +274,29 @@ def test_a_trained_head_beats_a_random_one(tmp_path, tiny):
                         SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
         rates[name] = engine.spec_stats.acceptance_rate
     assert rates["trained"] > 0.4 and rates["trained"] > 3 * rates["random"], rates
+
+
+def test_copy_prompts_ask_to_write_each_text_out_again_misspelt():
+    text = "Every morning the baker opens the shop and arranges bread, rolls and cakes."
+    prompts = copy_prompts([text] * 30 + ["  "], seed=0)
+    assert len(prompts) == 30  # the blank answer asks for nothing
+    bodies = []
+    for p in prompts:
+        lead = next(t.split("{}")[0] for t in COPY if p["content"].startswith(t.split("{}")[0]))
+        bodies.append(p["content"][len(lead):])
+    assert all(len(b.split(" ")) == len(text.split(" ")) for b in bodies)
+    assert text in bodies and sum(b != text for b in bodies) > 10
+
+
+def test_a_saved_head_loads_back_to_train_on(tiny):
+    path, hf, trained = tiny
+    engine = make_engine(path)
+    loaded = load_module(path / "mtp.safetensors", hf.config, engine.runner.model)
+    expected, got = trained.state_dict(), loaded.state_dict()
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    assert torch.equal(loaded.head, trained.head) and loaded.draft_ids is None
+    assert all(p.requires_grad for p in loaded.layer.parameters())
 
 
 def test_agreement_is_the_first_drafts_acceptance(tiny):

@@ -2,7 +2,8 @@
 assorted subjects, then requests to edit the model's own answers (fix misspellings put
 into them, summarise, rewrite; most of them with the sentences or the words shuffled), so
 the head sees writing and input-grounded answers, and answers that copy text it could not
-predict."""
+predict; and for the copying stage, requests to write texts out again corrected
+(`copy_prompts`)."""
 
 from __future__ import annotations
 
@@ -129,6 +130,9 @@ EDIT = (
     "Copy this text exactly, but correct the spelling:\n\n{}",
 )
 
+# the edits whose answers write their input out again
+COPY = tuple(EDIT[i] for i in (0, 1, 4, 5, 11))
+
 
 def misspell(text: str, rng: random.Random, rate: float = 0.08) -> str:
     """``text`` with about ``rate`` of its longer words misspelt (letters swapped,
@@ -171,3 +175,10 @@ def training_prompts(num: int, seed: int = 0, subjects=SUBJECTS) -> tuple[
         return prompts[:num - num // 2]
 
     return first, second
+
+
+def copy_prompts(texts: list[str], seed: int = 0) -> list[dict]:
+    """Requests to write ``texts`` out again with misspellings put into them fixed."""
+    rng = random.Random(seed)
+    return [{"role": "user", "content": rng.choice(COPY).format(misspell(t.strip(), rng))}
+            for t in texts if t.strip()]

@@ -10,12 +10,17 @@
    token ``j + 2`` from ``(h_j, t_{j+1})``: the loss is the cross-entropy against the
    model's own next-token distribution at ``j + 1`` (over the draft vocabulary), on the
    generated positions only.
-4. The head is written in the DeepSeek-V3 layout, one file, for ``[speculative] model``.
+4. Copying: the model answers requests to write out again, corrected, texts it wrote by
+   sampling (temperature 1, so the text is not what it would predict greedily), and the
+   head goes on learning on those answers and a quarter of the first samples. Predicting
+   is learnt quickly, copying slowly: without this stage a head barely uses the prompt.
+5. The head is written in the DeepSeek-V3 layout, one file, for ``[speculative] model``.
 
 A few subjects are held out: the head's agreement with the model on their answers
 (`agreement`, what the first draft's acceptance will be) measures how well it generalises
 rather than how well it remembers. The generated samples can be kept in a file and reused,
-so that trying other training settings does not generate them again.
+so that trying other training settings does not generate them again; a head trained before
+(``init``) can go on to the copying stage alone.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import torch.nn.functional as F
 from heron.core import Sequence
 from heron.core.speculative import Proposer
 from heron.plugins.mtp.module import MtpModule
-from heron.plugins.mtp.prompts import SUBJECTS, training_prompts
+from heron.plugins.mtp.prompts import SUBJECTS, copy_prompts, training_prompts
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +256,21 @@ def new_module(hf_config, model, draft_ids: torch.Tensor | None) -> MtpModule:
     return module
 
 
+def load_module(path: Path, hf_config, model) -> MtpModule:
+    """The head at ``path`` (DeepSeek-V3 layout, as `MtpModule.save` writes it) as a
+    trainable `MtpModule` for heron's loaded transformer ``model``."""
+    from safetensors.torch import load_file
+    prefix = f"model.layers.{model.cfg.num_layers}."
+    tensors = {k.removeprefix(prefix): v for k, v in load_file(str(path)).items()}
+    module = new_module(hf_config, model, tensors.pop("draft_token_ids", None))
+    tensors.pop("shared_head.head.weight", None)  # the model's rows, as new_module took them
+    own = ("enorm.", "hnorm.", "eh_proj.")
+    module.load_state_dict({"out_norm.weight" if k == "shared_head.norm.weight" else
+                            k if k.startswith(own) else "layer." + k: v
+                            for k, v in tensors.items()})
+    return module
+
+
 def hf_config(path: Path):
     """The transformers config of the checkpoint at ``path`` (HF directory or GGUF)."""
     from transformers import AutoConfig
@@ -273,15 +293,30 @@ def _generate(engine, num_prompts: int, max_tokens: int, seed: int,
     return samples + generate_samples(engine, [chat([m]) for m in second(texts)], max_tokens)
 
 
+def _generate_copies(engine, num_prompts: int, max_tokens: int, seed: int,
+                     subjects) -> list[Sample]:
+    """Answers that write out again, corrected, sampled answers on ``subjects``."""
+    from heron.core import SamplingParams
+    chat = engine.tokenizer.apply_chat_template
+    first, _ = training_prompts(2 * num_prompts, seed, subjects)
+    outs = engine.generate([chat([m]) for m in first], SamplingParams(
+        max_tokens=max_tokens, temperature=1.0, top_p=0.95, seed=seed))
+    texts = [engine.tokenizer.decode(o.outputs[0].token_ids) for o in outs]
+    return generate_samples(engine, [chat([m]) for m in copy_prompts(texts, seed)],
+                            max_tokens)
+
+
 def train_mtp(model_path: Path, out: Path, *, num_prompts: int = 3000,
               max_tokens: int = 96, draft_vocab: int = 4096, epochs: int = 4,
               lr: float = 3e-3, depth: int = 2, batch_size: int = 4,
+              num_copy_prompts: int = 512, copy_epochs: int = 12, copy_lr: float = 2e-3,
               max_num_seqs: int = 128, seed: int = 0, held_out: int = 8,
-              samples_file: Path | None = None) -> dict:
+              samples_file: Path | None = None, init: Path | None = None) -> dict:
     """The whole recipe (module docstring): writes the head to ``out`` (one safetensors
     file) and returns what it measured. ``held_out`` subjects are kept for measuring
     `agreement`; ``samples_file`` keeps the generated samples (read instead of generating
-    when it holds those of the same model and settings)."""
+    when it holds those of the same model and settings). With ``init`` (a head this
+    recipe wrote) only the copying stage runs, on that head."""
     from heron.core import Engine, load_config
 
     started = time.perf_counter()
@@ -294,37 +329,50 @@ def train_mtp(model_path: Path, out: Path, *, num_prompts: int = 3000,
     kept, trained_on = subjects[:held_out], subjects[held_out:]
     key = {"model": str(model_path), "prompts": num_prompts, "max_tokens": max_tokens,
            "seed": seed, "held_out": kept}
+    copy_key = {**key, "copy_prompts": num_copy_prompts}
     cached = torch.load(samples_file, weights_only=False) \
-        if samples_file is not None and samples_file.exists() else None
-    if cached is not None and cached["key"] == key:
-        samples, validation = cached["samples"], cached["validation"]
-        log.info("%d samples read from %s", len(samples), samples_file)
+        if samples_file is not None and samples_file.exists() else {}
+    if cached.get("key") == key:
+        log.info("%d samples read from %s", len(cached["samples"]), samples_file)
     else:
-        samples = _generate(engine, num_prompts, max_tokens, seed, trained_on)
-        # writing prompts on the held-out subjects, and as many edits of the answers
-        validation = _generate(engine, VALIDATION_PROMPTS, max_tokens, seed + 1, kept)
+        cached = {"key": key,
+                  "samples": _generate(engine, num_prompts, max_tokens, seed, trained_on),
+                  # writing prompts on the held-out subjects, and as many edits of the answers
+                  "validation": _generate(engine, VALIDATION_PROMPTS, max_tokens, seed + 1,
+                                          kept)}
+    if cached.get("copy_key") != copy_key:
+        cached["copy_key"] = copy_key
+        cached["copies"] = _generate_copies(engine, num_copy_prompts, max_tokens, seed + 2,
+                                            trained_on) if num_copy_prompts else []
         if samples_file is not None:
             samples_file.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"key": key, "samples": samples, "validation": validation},
-                       samples_file)
+            torch.save(cached, samples_file)
+    samples, validation, copies = cached["samples"], cached["validation"], cached["copies"]
+    log.info("%d samples, %d copying", len(samples), len(copies))
     generated = time.perf_counter()
     model = engine.runner.model
-    vocab = draft_vocabulary(samples, draft_vocab, model.cfg.vocab_size) \
-        if 0 < draft_vocab < model.cfg.vocab_size else None
+    torch.manual_seed(seed)
+    losses = []
+    if init is not None:
+        module = load_module(init, hf_config(model_path), model)
+    else:
+        vocab = draft_vocabulary(samples, draft_vocab, model.cfg.vocab_size) \
+            if 0 < draft_vocab < model.cfg.vocab_size else None
+        module = new_module(hf_config(model_path), model, vocab)
+        losses = train(module, samples, epochs, lr=lr, batch_size=batch_size, depth=depth,
+                       seed=seed)
+    copy_losses = train(module, copies + samples[::4], copy_epochs, lr=copy_lr,
+                        batch_size=batch_size, depth=depth, seed=seed) if copies else []
+    out.parent.mkdir(parents=True, exist_ok=True)
+    module.save(out, model.cfg.num_layers)
+    vocab = module.draft_ids
     outputs = [t for s in samples for t in s.tokens[s.num_prompt_tokens:]]
     coverage = 1.0 if vocab is None else float(torch.isin(torch.tensor(outputs), vocab)
                                                .float().mean())
-    log.info("%d samples, %d output tokens; the draft vocabulary covers %.1f%% of them",
-             len(samples), len(outputs), 100 * coverage)
-    torch.manual_seed(seed)
-    module = new_module(hf_config(model_path), model, vocab)
-    losses = train(module, samples, epochs, lr=lr, batch_size=batch_size, depth=depth,
-                   seed=seed)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    module.save(out, model.cfg.num_layers)
-    return {"samples": len(samples), "output_tokens": len(outputs),
-            "draft_vocab": draft_vocab if vocab is not None else model.cfg.vocab_size,
-            "draft_vocab_coverage": coverage, "losses": losses,
+    return {"samples": len(samples), "copy_samples": len(copies),
+            "output_tokens": len(outputs),
+            "draft_vocab": len(vocab) if vocab is not None else model.cfg.vocab_size,
+            "draft_vocab_coverage": coverage, "losses": losses, "copy_losses": copy_losses,
             "held_out_subjects": kept, "held_out_agreement": agreement(module, validation),
             "generate_seconds": generated - started,
             "train_seconds": time.perf_counter() - generated}
