@@ -112,14 +112,29 @@ def cmd_train_mtp(args) -> int:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    result = train_mtp(model, Path(args.out), num_prompts=args.prompts,
-                       max_tokens=args.max_tokens, draft_vocab=args.draft_vocab,
-                       epochs=args.epochs, lr=args.lr, depth=args.depth,
-                       num_copy_prompts=args.copy_prompts, copy_epochs=args.copy_epochs,
-                       seed=args.seed, samples_file=Path(args.samples) if args.samples else None,
-                       init=Path(args.init) if args.init else None)
+    # the options left out keep train_mtp's defaults
+    settings = {k: v for k, v in vars(args).items() if k in _TRAIN_MTP_OPTIONS}
+    result = train_mtp(model, Path(args.out), **settings)
     print(json.dumps({"out": args.out, **result}, indent=2))
     return 0
+
+
+_TRAIN_MTP_FLAGS = (  # flag, train_mtp's keyword, type, help
+    ("--prompts", "num_prompts", int, "generated samples"),
+    ("--max-tokens", "max_tokens", int, "tokens per sample"),
+    ("--draft-vocab", "draft_vocab", int,
+     "most frequent tokens the head drafts (0: the whole vocabulary)"),
+    ("--epochs", "epochs", int, "epochs of the first stage"),
+    ("--lr", "lr", float, "learning rate of the first stage"),
+    ("--depth", "depth", int, "chained drafts trained for"),
+    ("--copy-prompts", "num_copy_prompts", int, "samples of the copying stage (0: none)"),
+    ("--copy-epochs", "copy_epochs", int, "epochs of the copying stage"),
+    ("--init", "init", Path, "a head written before: only the copying stage runs, on it"),
+    ("--samples", "samples_file", Path, "a file keeping the generated samples, reused when "
+                                        "it holds those of the same model and settings"),
+    ("--seed", "seed", int, None),
+)
+_TRAIN_MTP_OPTIONS = {dest for _, dest, _, _ in _TRAIN_MTP_FLAGS}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,25 +175,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train-mtp", help="train an MTP drafting head by self-distillation",
                        description="Train a multi-token-prediction head for a transformer "
                        "MODEL on text the model generates itself, and write it (DeepSeek-V3 "
-                       "layout) to OUT, for [speculative] method = \"mtp\", model = OUT.")
+                       "layout) to OUT, for [speculative] method = \"mtp\", model = OUT. "
+                       "Options left out keep the recipe's defaults "
+                       "(heron.plugins.mtp.train.train_mtp).")
     p.add_argument("model", nargs="?", help="HF model directory or .gguf file "
                    "(default: SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="the .safetensors file to write")
-    p.add_argument("--prompts", type=int, default=3000, help="generated samples")
-    p.add_argument("--max-tokens", type=int, default=96, help="tokens per sample")
-    p.add_argument("--draft-vocab", type=int, default=4096,
-                   help="most frequent tokens the head drafts (0: the whole vocabulary)")
-    p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--depth", type=int, default=2, help="chained drafts trained for")
-    p.add_argument("--copy-prompts", type=int, default=512,
-                   help="samples of the copying stage (0: none)")
-    p.add_argument("--copy-epochs", type=int, default=12)
-    p.add_argument("--init", help="a head written before: only the copying stage runs, on it")
-    p.add_argument("--samples", help="a file keeping the generated samples, reused when it "
-                                     "holds those of the same model and settings")
     p.add_argument("--threads", type=int, help="torch CPU threads")
-    p.add_argument("--seed", type=int, default=0)
+    # left out, these keep train_mtp's defaults (heron.plugins.mtp.train)
+    for flag, dest, kind, text in _TRAIN_MTP_FLAGS:
+        p.add_argument(flag, dest=dest, type=kind, help=text, default=argparse.SUPPRESS,
+                       metavar="FILE" if kind is Path else "N")
     p.set_defaults(func=cmd_train_mtp)
 
     p = sub.add_parser("fetch-model", help="fetch the default model into the cache")

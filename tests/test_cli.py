@@ -143,3 +143,15 @@ def test_parser_builds_without_loading_the_server():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
     assert build_parser().prog == "heron"
+
+
+def test_train_mtp_passes_only_the_options_given_each_a_keyword_of_the_recipe():
+    import inspect
+
+    from heron.plugins.mtp.train import train_mtp
+    from heron.server.cli import _TRAIN_MTP_OPTIONS
+    assert _TRAIN_MTP_OPTIONS <= set(inspect.signature(train_mtp).parameters)
+    args = build_parser().parse_args(["train-mtp", "--out", "h.safetensors", "--copy-prompts",
+                                      "0", "--samples", "s.pt"])
+    given = {k: v for k, v in vars(args).items() if k in _TRAIN_MTP_OPTIONS}
+    assert given == {"num_copy_prompts": 0, "samples_file": Path("s.pt")}
