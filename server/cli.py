@@ -112,9 +112,7 @@ def cmd_train_mtp(args) -> int:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    # the options left out keep train_mtp's defaults
-    settings = {k: v for k, v in vars(args).items() if k in _TRAIN_MTP_OPTIONS}
-    result = train_mtp(model, Path(args.out), **settings)
+    result = train_mtp(model, Path(args.out), **train_mtp_settings(args))
     print(json.dumps({"out": args.out, **result}, indent=2))
     return 0
 
@@ -135,6 +133,11 @@ _TRAIN_MTP_FLAGS = (  # flag, train_mtp's keyword, type, help
     ("--seed", "seed", int, None),
 )
 _TRAIN_MTP_OPTIONS = {dest for _, dest, _, _ in _TRAIN_MTP_FLAGS}
+
+
+def train_mtp_settings(args: argparse.Namespace) -> dict:
+    """``train_mtp``'s keywords from the options given; those left out keep its defaults."""
+    return {k: v for k, v in vars(args).items() if k in _TRAIN_MTP_OPTIONS}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -149,9 +149,8 @@ def test_train_mtp_passes_only_the_options_given_each_a_keyword_of_the_recipe():
     import inspect
 
     from heron.plugins.mtp.train import train_mtp
-    from heron.server.cli import _TRAIN_MTP_OPTIONS
+    from heron.server.cli import _TRAIN_MTP_OPTIONS, train_mtp_settings
     assert _TRAIN_MTP_OPTIONS <= set(inspect.signature(train_mtp).parameters)
     args = build_parser().parse_args(["train-mtp", "--out", "h.safetensors", "--copy-prompts",
                                       "0", "--samples", "s.pt"])
-    given = {k: v for k, v in vars(args).items() if k in _TRAIN_MTP_OPTIONS}
-    assert given == {"num_copy_prompts": 0, "samples_file": Path("s.pt")}
+    assert train_mtp_settings(args) == {"num_copy_prompts": 0, "samples_file": Path("s.pt")}
