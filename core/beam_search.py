@@ -5,6 +5,7 @@ The engine runs the model; `BeamSearch` only decides. Each step the engine hands
 next-token logits of the request's live beams; it answers which beams live on, each as
 ``(parent, token)``: fork the parent's state (KV cache) and append the token. When
 ``done`` is set, `results` holds the best finished hypotheses.
+`step_searches` steps many requests' searches as one batch of tensor ops.
 
 The state mirrors transformers' tensors for a batch of one, with the same float32 ops in the
 same order, so scores and even ties (``-1e9`` placeholders, ``-inf`` tokens) come out alike:
@@ -27,7 +28,7 @@ import math
 
 import torch
 
-__all__ = ["BeamSearch"]
+__all__ = ["BeamSearch", "step_searches"]
 
 # transformers' score for "impossible": finite, so adding a log-probability keeps it ordered
 # and comparable, unlike -inf.
@@ -96,40 +97,14 @@ class BeamSearch:
         :returns: exactly ``num_beams`` ``(parent_row, token)`` pairs, the next live beams
             (best first), or ``[]`` once ``done`` is set (then run no more steps).
         """
-        if self.done:
-            raise RuntimeError("step() after the search is done")
-        is_first = self.num_new_tokens == 0
-        rows = 1 if is_first else self.num_beams
-        if logits.dim() != 2 or logits.shape[0] != rows:
-            raise ValueError(f"expected logits [{rows}, vocab], got {list(logits.shape)}")
-        vocab = logits.shape[1]
-        logprobs = self._process(torch.log_softmax(logits.float(), dim=-1)).cpu()
-        # transformers expands the prompt to num_beams identical rows; the -1e9 of beams
-        # 1.. keeps them out of the way unless too few tokens are possible (forced ones).
-        total = (logprobs.expand(self.num_beams, vocab)
-                 + self._running_scores[:, None]).reshape(-1)
-        top_scores, top_index = torch.topk(total, self.num_candidates)
-        parents, tokens = zip(*(divmod(i, vocab) for i in top_index.tolist()))
-        length = self.num_new_tokens + 1
-        ends = [t in self.eos_token_ids or length >= self.max_new_tokens for t in tokens]
-        candidates = [self._running[p] + [t] for p, t in zip(parents, tokens)]
+        if logits.dim() != 2:
+            raise ValueError(f"expected logits [rows, vocab], got {list(logits.shape)}")
+        return step_searches([self], logits, [list(range(logits.shape[0]))])[0]
 
-        # Next running beams: the best candidates that do not end (the small lists here are
-        # plain Python; every sum, division and ordering stays a float32 torch op, as in
-        # transformers, so ties break alike).
-        alive_scores = top_scores + _penalties(ends)
-        keep = torch.topk(alive_scores, self.num_beams).indices.tolist()
-        self._running = [candidates[i] for i in keep]
-        self._running_scores = alive_scores[keep]
-
-        self._update_finished(top_scores, ends, candidates, length)
-        self.num_new_tokens = length
-        all_full = all(self._is_finished) and self.early_stopping is True
-        self.done = all_full or all(ends) or not self._can_improve()
-        if self.done:
-            return []
-        # All beams of the first step come from the single prompt row.
-        return [(0 if is_first else parents[i], tokens[i]) for i in keep]
+    @property
+    def num_rows(self) -> int:
+        """The logits rows the next step takes: 1 at the first step, then ``num_beams``."""
+        return 1 if self.num_new_tokens == 0 else self.num_beams
 
     def results(self) -> list[tuple[list[int], float]]:
         """The best ``num_return`` hypotheses, best first, as transformers returns them:
@@ -141,47 +116,116 @@ class BeamSearch:
         scores = self._finished_scores[:self.num_return].tolist()
         return [(list(self._finished[i]), scores[i]) for i in range(self.num_return)]
 
-    def _process(self, logprobs: torch.Tensor) -> torch.Tensor:
-        """transformers' logits processors, in its order, on log-probabilities (so a banned
-        EOS does not renormalize the rest)."""
+    def _process(self, logprobs: torch.Tensor) -> None:
+        """transformers' logits processors, in its order, in place on this search's rows of
+        log-probabilities (so a banned EOS does not renormalize the rest)."""
         if self.num_new_tokens < self.min_new_tokens and self.eos_token_ids:
             logprobs[:, list(self.eos_token_ids)] = -math.inf
         if self.num_new_tokens == 0 and self.forced_first_token is not None:
-            logprobs = torch.full_like(logprobs, -math.inf)
+            logprobs.fill_(-math.inf)
             logprobs[:, self.forced_first_token] = 0.0
-        return logprobs
 
-    def _update_finished(self, top_scores: torch.Tensor, ends: list[bool],
-                         candidates: list[list[int]], length: int) -> None:
-        """transformers' ``_update_finished_beams``: only the first ``num_beams`` candidates
-        may finish (the rest are spares for the running beams).
 
-        NOTE: transformers also bars new finishes once its heuristic says no improvement is
-        possible, or with ``early_stopping=True`` once all slots are full; for one request
-        both mean the search is already done, so those terms only matter in a batch."""
-        just_finished = [end and i < self.num_beams for i, end in enumerate(ends)]
-        scores = top_scores / (length ** self.length_penalty)
-        scores = scores + _penalties([not f for f in just_finished])
-        merged = torch.cat((self._finished_scores, scores))
-        pick = torch.topk(merged, self.num_beams).indices.tolist()
-        sequences, finished = self._finished + candidates, self._is_finished + just_finished
-        self._finished = [sequences[i] for i in pick]
-        self._finished_scores = merged[pick]
-        self._is_finished = [finished[i] for i in pick]
+def step_searches(searches: list[BeamSearch], logits: torch.Tensor,
+                  rows: list[list[int]]) -> list[list[tuple[int, int]]]:
+    """`BeamSearch.step` for several searches at once: search ``i`` steps on
+    ``logits[rows[i]]`` and gets the ``i``-th list of pairs. The same float32 ops as one
+    search alone, batched: each search's are a row of them (a step of 64 requests was 1,300
+    tiny tensor ops one search at a time)."""
+    for search, r in zip(searches, rows):
+        if search.done:
+            raise RuntimeError("step() after the search is done")
+        if len(r) != search.num_rows:
+            raise ValueError(f"expected logits [{search.num_rows}, vocab], "
+                             f"got {[len(r), logits.shape[-1]]}")
+    flat = [i for r in rows for i in r]
+    logprobs = torch.log_softmax(logits[flat].float(), dim=-1).cpu()
+    starts, at = [], 0
+    for search, r in zip(searches, rows):
+        search._process(logprobs[at:at + len(r)])
+        starts.append(at)
+        at += len(r)
+    groups: dict[tuple[int, int], list[int]] = {}  # searches whose tensors stack
+    for i, search in enumerate(searches):
+        groups.setdefault((search.num_beams, search.num_candidates), []).append(i)
+    pairs: list[list[tuple[int, int]]] = [[] for _ in searches]
+    for members in groups.values():
+        group = [searches[i] for i in members]
+        for i, chosen in zip(members, _step_group(group, logprobs, [starts[i] for i in members])):
+            pairs[i] = chosen
+    return pairs
 
-    def _can_improve(self) -> bool:
-        """transformers' ``_check_early_stop_heuristic``: can the best running beam still
-        beat the worst finished slot?"""
-        if self.early_stopping == "never" and self.length_penalty > 0.0:
-            best_length = self.max_new_tokens
-        else:
-            best_length = self.num_new_tokens
-        best_running = float(self._running_scores[0] / (best_length ** self.length_penalty))
+
+def _step_group(searches: list[BeamSearch], logprobs: torch.Tensor,
+                starts: list[int]) -> list[list[tuple[int, int]]]:
+    """One step of searches with one ``num_beams`` and ``num_candidates``; search ``g``'s
+    processed log-probabilities are rows ``starts[g]`` onwards of ``logprobs``."""
+    beams, num_candidates = searches[0].num_beams, searches[0].num_candidates
+    num, vocab = len(searches), logprobs.shape[1]
+    # transformers expands the prompt to num_beams identical rows; the -1e9 of beams
+    # 1.. keeps them out of the way unless too few tokens are possible (forced ones).
+    index = [start + (0 if s.num_rows == 1 else b)
+             for s, start in zip(searches, starts) for b in range(beams)]
+    running = torch.stack([s._running_scores for s in searches])
+    total = (logprobs[index].view(num, beams, vocab) + running[:, :, None]).view(num, -1)
+    top_scores, top_index = torch.topk(total, num_candidates, dim=1)
+    lengths = [s.num_new_tokens + 1 for s in searches]
+    parents, tokens, ends = [], [], []
+    for s, length, top in zip(searches, lengths, top_index.tolist()):
+        p, t = zip(*(divmod(i, vocab) for i in top))
+        parents.append(p)
+        tokens.append(t)
+        ends.append([tok in s.eos_token_ids or length >= s.max_new_tokens for tok in t])
+
+    # Next running beams: the best candidates that do not end (the small lists here are
+    # plain Python; every sum, division and ordering stays a float32 torch op, as in
+    # transformers, so ties break alike).
+    alive_scores = top_scores + _penalties(ends)
+    keep = torch.topk(alive_scores, beams, dim=1).indices
+    running = alive_scores.gather(1, keep)
+
+    # transformers' `_update_finished_beams`: only the first num_beams candidates may finish
+    # (the rest are spares for the running beams). NOTE: transformers also bars new
+    # finishes once its heuristic says no improvement is possible, or with
+    # early_stopping=True once all slots are full; for one request both mean the search is
+    # already done, so those terms only matter in its batch.
+    just_finished = [[end and i < beams for i, end in enumerate(e)] for e in ends]
+    divisors = torch.tensor([[length ** s.length_penalty]
+                             for s, length in zip(searches, lengths)])
+    scores = top_scores / divisors + _penalties([[not f for f in j] for j in just_finished])
+    merged = torch.cat((torch.stack([s._finished_scores for s in searches]), scores), dim=1)
+    pick = torch.topk(merged, beams, dim=1).indices
+    finished = merged.gather(1, pick)
+
+    # transformers' `_check_early_stop_heuristic`: can the best running beam still beat the
+    # worst finished slot? ("never" judges it at max_new_tokens when length_penalty > 0)
+    best_lengths = [s.max_new_tokens if s.early_stopping == "never" and s.length_penalty > 0.0
+                    else length for s, length in zip(searches, lengths)]
+    best_running = (running[:, 0] / torch.tensor(
+        [b ** s.length_penalty for s, b in zip(searches, best_lengths)])).tolist()
+    lowest = finished.min(dim=1).values.tolist()
+
+    out = []
+    for g, (s, keep_g, pick_g) in enumerate(zip(searches, keep.tolist(), pick.tolist())):
+        candidates = [s._running[p] + [t] for p, t in zip(parents[g], tokens[g])]
+        s._running = [candidates[i] for i in keep_g]
+        s._running_scores = running[g]
+        sequences, was_finished = s._finished + candidates, s._is_finished + just_finished[g]
+        s._finished = [sequences[i] for i in pick_g]
+        s._finished_scores = finished[g]
+        s._is_finished = [was_finished[i] for i in pick_g]
+        is_first = s.num_new_tokens == 0
+        s.num_new_tokens = lengths[g]
         # NOTE: while a slot is empty its -1e9 is the minimum, so any real beam can improve.
-        lowest = float(self._finished_scores.min())
-        return any(best_running > (lowest if f else NEG) for f in self._is_finished)
+        can_improve = any(best_running[g] > (lowest[g] if f else NEG) for f in s._is_finished)
+        all_full = all(s._is_finished) and s.early_stopping is True
+        s.done = all_full or all(ends[g]) or not can_improve
+        # all beams of the first step come from the single prompt row
+        out.append([] if s.done else
+                   [(0 if is_first else parents[g][i], tokens[g][i]) for i in keep_g])
+    return out
 
 
-def _penalties(flags: list[bool]) -> torch.Tensor:
+def _penalties(flags: list[list[bool]]) -> torch.Tensor:
     """transformers' ``flags * -1e9`` as float32: -1e9 where set, 0 elsewhere."""
-    return torch.tensor([NEG if f else 0.0 for f in flags])
+    return torch.tensor([[NEG if f else 0.0 for f in row] for row in flags])

@@ -14,13 +14,13 @@ import torch
 from heron.core.adapter_pool import AdapterPool
 from heron.core.batch import EncoderChunk
 from heron.core.batch_builder import BatchBuilder
-from heron.core.beam_search import BeamSearch
+from heron.core.beam_search import BeamSearch, step_searches
 from heron.core.beams import BeamGroup
 from heron.core.block_pool import BlockPool
 from heron.core.config import Config
 from heron.core.device import resolve_device
-from heron.core.kv_cache import (allocate_cache, allocate_host_kv, allocate_lora, copy_blocks,
-                                 num_kv_blocks_for, num_swap_blocks_for)
+from heron.core.kv_cache import (allocate_cache, allocate_host_kv, allocate_lora, copy_block_rows,
+                                 copy_blocks, num_kv_blocks_for, num_swap_blocks_for)
 from heron.core.lora import AdapterBusyError, AdapterError, AdapterWeights
 from heron.core.model_loader import load_model
 from heron.core.outputs import RequestOutput
@@ -505,10 +505,8 @@ class Engine:
                 sample_rows.append(row)
                 sample_seqs.append(seq)
                 row += 1
-        copies: list[tuple[int, int]] = []  # forked beams' partial blocks, copied at once
-        for state in beams.values():
-            self._beam_step(state, logits, copies)
-        copy_blocks(self.cache.kv, self.cache.kv, copies)
+        if beams:
+            self._step_beams(list(beams.values()), logits)
         if drafted:
             self._verify(drafted, logits)
         if not sample_seqs:
@@ -566,19 +564,32 @@ class Engine:
                     self._finish_seq(seq)
             active, position = walking, position + 1
 
-    def _beam_step(self, state: RequestState, logits: torch.Tensor,
-                   copies: list[tuple[int, int]]) -> None:
-        """Step ``state``'s beam search on its rows of ``logits``; the KV blocks its forks
-        must copy (copy on write) go to ``copies``."""
-        group = state.beam
-        if not group.ready():  # a beam is behind: the others compute their token again
-            for seq in group.live:
+    def _step_beams(self, states: list[RequestState], logits: torch.Tensor) -> None:
+        """Step the beam searches of ``states`` on their rows of ``logits``, together, and
+        fork, extend and drop their beams' sequences as they say."""
+        ready = []
+        for state in states:
+            group = state.beam
+            if group.ready():
+                ready.append(state)
+                continue
+            for seq in group.live:  # a beam is behind: the others compute their token again
                 if seq.seq_id in group.rows:
                     seq.num_computed_tokens -= 1
             group.rows.clear()
-            return
-        pairs = group.search.step(logits[group.beam_rows()])
-        group.rows.clear()
+        steps = step_searches([s.beam.search for s in ready], logits,
+                              [s.beam.beam_rows() for s in ready])
+        copies: list[tuple[int, int, int]] = []  # forked beams' partial blocks, copied at once
+        for state, pairs in zip(ready, steps):
+            state.beam.rows.clear()
+            self._follow_beams(state, pairs, copies)
+        copy_block_rows(self.cache.kv, copies)
+
+    def _follow_beams(self, state: RequestState, pairs: list[tuple[int, int]],
+                      copies: list[tuple[int, int, int]]) -> None:
+        """Make ``state``'s sequences the search's next beams, ``pairs`` of (parent row,
+        token); the KV blocks its forks must copy (copy on write) go to ``copies``."""
+        group = state.beam
         if group.search.done:
             group.fill_outputs(self.tokenizer, group.search.eos_token_ids,
                                state.params.skip_special_tokens)
@@ -604,7 +615,7 @@ class Engine:
         state.seqs = group.live
 
     def _fork_beam(self, state: RequestState, parent: Sequence,
-                   copies: list[tuple[int, int]]) -> Sequence:
+                   copies: list[tuple[int, int, int]]) -> Sequence:
         child = Sequence(next(self._seq_ids), parent.request_id, parent.prompt_token_ids,
                          parent.params, parent.arrival, parent.namespace,
                          parent.encoder_token_ids)
@@ -627,7 +638,7 @@ class Engine:
         if self.proposer is not None:
             for child in state.unforked:
                 self.proposer.fork_sequence(parent, child)
-        copy_blocks(self.cache.kv, self.cache.kv, copies)
+        copy_block_rows(self.cache.kv, copies)
         state.unforked = []
 
     def _cache_new_blocks(self, scheduled) -> None:

@@ -403,11 +403,11 @@ class Scheduler:
         bisect.insort(self.running, seq, key=_age)
         out.scheduled.append(ScheduledSeq(seq, num_tokens, encoder_stages))
 
-    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int, int] | None:
         """Give ``child`` (a sibling of ``parent`` with the same prompt, not yet scheduled)
         ``parent``'s computed KV: whole blocks shared, the partly filled last block copied
         (the child will write its own tokens there). Returns the copy the engine must make
-        now, as (source block, destination block), or None.
+        now, as (source block, destination block, rows filled), or None.
 
         Without a free seat or block, the child waits to be computed from scratch instead
         (mostly a prefix-cache hit).
@@ -422,7 +422,7 @@ class Scheduler:
         child.block_table = self.block_pool.fork(parent.block_table[:whole])
         copy = None
         if partial:
-            copy = (parent.block_table[whole], self._allocate(1)[0])
+            copy = (parent.block_table[whole], self._allocate(1)[0], partial)
             child.block_table.append(copy[1])
         child.num_computed_tokens = computed
         child.encoder_stages_done = parent.encoder_stages_done

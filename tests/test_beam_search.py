@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from heron.core.beam_search import BeamSearch
+from heron.core.beam_search import BeamSearch, step_searches
 from heron.plugins.nllb.model import NllbModel, SequenceKV
 from tests.nllb_models import build_translator, corpus, heron_model
 
@@ -276,3 +276,47 @@ def test_misuse_is_refused():
     with pytest.raises(RuntimeError):
         search.step(_logits([])[None])
     assert [len(t) for t, _ in search.results()] == [1]
+
+
+def test_searches_stepped_together_step_as_alone():
+    """`step_searches` batches the tensor work of searches with different beam counts,
+    penalties, stopping rules, EOS sets, forced and minimum tokens, whose logits rows
+    arrive in any order: each must choose exactly what it chooses stepped alone. The
+    logits are rounded to halves so that ties occur and must break alike."""
+    def logits_of(prefix):
+        return (_logits(prefix, eos_bias=1.5) * 2).round() / 2
+
+    settings = [dict(num_beams=b, max_new_tokens=m, eos_token_ids=eos, length_penalty=lp,
+                     early_stopping=es, num_return=min(2, b), min_new_tokens=mn,
+                     forced_first_token=ff)
+                for b, m, eos, lp, es, mn, ff in [
+                    (2, 6, (EOS,), 1.0, False, 0, None), (4, 9, (EOS,), 0.6, True, 2, 4),
+                    (3, 7, (EOS, 6), 2.0, "never", 0, None), (4, 5, (), 1.0, False, 0, 3),
+                    (2, 8, (EOS,), 0.0, "never", 3, 5), (4, 9, (EOS,), 2.0, False, 0, None)]]
+    alone = []
+    for kwargs in settings:
+        search, beams, trace = BeamSearch(**kwargs), [[]], []
+        while chosen := search.step(torch.stack([logits_of(b) for b in beams])):
+            trace.append(chosen)
+            beams = [beams[p] + [t] for p, t in chosen]
+        alone.append((trace, search.results()))
+
+    searches = [BeamSearch(**kwargs) for kwargs in settings]
+    beams = [[[]] for _ in searches]
+    traces = [[] for _ in searches]
+    order = torch.Generator().manual_seed(0)
+    while live := [i for i, s in enumerate(searches) if not s.done]:
+        rows = [(i, b) for i in live for b in beams[i]]
+        perm = torch.randperm(len(rows), generator=order).tolist()  # rows in any order
+        logits = torch.stack([logits_of(rows[j][1]) for j in perm])
+        where = {j: r for r, j in enumerate(perm)}
+        offsets = [sum(len(beams[k]) for k in live[:n]) for n in range(len(live))]
+        steps = step_searches([searches[i] for i in live], logits,
+                              [[where[o + b] for b in range(len(beams[i]))]
+                               for i, o in zip(live, offsets)])
+        for i, chosen in zip(live, steps):
+            if chosen:
+                traces[i].append(chosen)
+                beams[i] = [beams[i][p] + [t] for p, t in chosen]
+    assert len({len(t) for t, _ in alone}) > 1  # they end at different steps
+    assert [(t, s.results()) for t, s in zip(traces, searches)] == alone
