@@ -19,6 +19,9 @@ def test_packed_linear_matches_f_linear(rows, bias):
     assert can_pack(w) and packed.is_mkldnn  # torch's CPU build ships oneDNN
     assert tuple(packed.shape) == (96, 48)
     torch.testing.assert_close(linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    for weight in (packed, w):  # the fused ReLU, and the plain weight's
+        torch.testing.assert_close(linear(x, weight, b, relu=True), F.relu(F.linear(x, w, b)),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_packed_linear_takes_strided_input():

@@ -42,12 +42,17 @@ def unpack_weight(w: torch.Tensor) -> torch.Tensor:
     return w.to_dense() if w.is_mkldnn else w
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [T, in] @ w.T + bias`` for a plain or `pack_weight`-ed ``w``. A weight of another
-    dtype than ``x`` (a drafter's bf16 weights among fp32 activations) multiplies ``x`` cast
-    to its dtype, and the result comes back in ``x``'s."""
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           relu: bool = False) -> torch.Tensor:
+    """``x [T, in] @ w.T + bias`` for a plain or `pack_weight`-ed ``w``, then ReLU with
+    ``relu`` (fused into the GEMM of a packed weight: no second pass over a wide output).
+    A weight of another dtype than ``x`` (a drafter's bf16 weights among fp32 activations)
+    multiplies ``x`` cast to its dtype, and the result comes back in ``x``'s."""
     if w.dtype != x.dtype:
-        return linear(x.to(w.dtype), w, None if bias is None else bias.to(w.dtype)).to(x.dtype)
+        return linear(x.to(w.dtype), w, None if bias is None else bias.to(w.dtype),
+                      relu).to(x.dtype)
     if w.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-    return F.linear(x, w, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "relu" if relu else "none",
+                                                  [], "")
+    y = F.linear(x, w, bias)
+    return F.relu(y) if relu else y

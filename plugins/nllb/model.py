@@ -35,8 +35,8 @@ class Projection:
     weight: torch.Tensor            # [out, in], `pack_weight`-ed
     bias: torch.Tensor | None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def __call__(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, relu)
 
 
 @dataclass
@@ -122,7 +122,7 @@ def self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVPair
 
 
 def ffn(h: torch.Tensor, layer: Layer) -> torch.Tensor:
-    return layer.fc2(F.relu(layer.fc1(h)))
+    return layer.fc2(layer.fc1(h, relu=True))
 
 
 class NllbModel:
