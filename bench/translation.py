@@ -17,10 +17,10 @@ differ must equal transformers' translation of it alone (padding a batch can fli
 between beams; ``equal_only_unpadded`` lists those).
 
 heron runs every sentence concurrently; transformers runs batches of ``--batch-size``
-sentences (padded, KV cache on). Each side runs the workload once to warm up, then
-``--repeats`` times, and its median time counts. Target tokens/s (of the returned
-translations, EOS included) for each and the ratio; JSON to
-bench/results/translation-<date>.json.
+sentences (padded, KV cache on). Each side runs the workload once to warm up, then the two
+take turns, ``--repeats`` times each. Target tokens/s (of the returned translations, EOS
+included) at each side's median time, and the ratio: the median of the rounds' ratios. JSON
+to bench/results/translation-<date>.json.
 
     python -m bench.translation [--num-beams 1 4] [--workloads fixed eos]
 """
@@ -53,26 +53,32 @@ def sources(num: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(5, 30))) for _ in range(num)]
 
 
-def timed(run, repeats: int) -> dict:
-    """``run()`` once untimed (a warm-up: memory first touched, caches filled), then
-    ``repeats`` times: its last result as ``outputs``, the median time as ``seconds`` (one
-    run's time is at the mercy of a shared machine's noise), and every time."""
-    run()
-    times = []
+def timed(sides: dict, repeats: int) -> dict:
+    """Each side's ``run()`` once untimed (a warm-up: memory first touched, caches filled),
+    then ``repeats`` rounds in which every side runs once, in turn, so that a shared
+    machine's slow spells fall on both sides alike. Per side: its last result as
+    ``outputs``, the median time as ``seconds``, and every time."""
+    for run in sides.values():
+        run()
+    times = {name: [] for name in sides}
+    outputs = {}
     for _ in range(repeats):
-        start = time.perf_counter()
-        outputs = run()
-        times.append(time.perf_counter() - start)
-    return {"outputs": outputs, "seconds": statistics.median(times), "runs": times}
+        for name, run in sides.items():
+            start = time.perf_counter()
+            outputs[name] = run()
+            times[name].append(time.perf_counter() - start)
+    return {name: {"outputs": outputs[name], "seconds": statistics.median(times[name]),
+                   "runs": times[name]} for name in sides}
 
 
-def bench_heron(path: Path, tok, texts, tgt_id: int, max_tokens: int, num_beams: int,
-                ignore_eos: bool, repeats: int) -> dict:
+def heron_translator(path: Path, tok, tgt_id: int, max_tokens: int, num_beams: int,
+                     ignore_eos: bool, max_num_seqs: int):
+    """``translate(texts)``: heron's translations of ``texts``, all running at once."""
     from heron.core import Engine, SamplingParams, load_config
 
     engine = Engine(load_config(None, {
         "model.path": str(path), "model.dtype": "float32", "model.device": "cpu",
-        "engine.max_num_seqs": len(texts) * num_beams,
+        "engine.max_num_seqs": max_num_seqs * num_beams,
         "engine.max_num_batched_tokens": 4096}))
     start_id = engine.runner.model.cfg.decoder_start_token_id
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos,
@@ -88,7 +94,7 @@ def bench_heron(path: Path, tok, texts, tgt_id: int, max_tokens: int, num_beams:
                          if o.finished})
         return [done[f"r{i}"] for i in range(len(batch))]
 
-    return timed(lambda: run(texts), repeats)
+    return run
 
 
 def transformers_translator(model, tok, tgt_id: int, max_tokens: int, num_beams: int,
@@ -117,10 +123,6 @@ def transformers_translator(model, tok, tgt_id: int, max_tokens: int, num_beams:
         return outputs
 
     return translate
-
-
-def bench_transformers(translate, texts, batch_size: int, repeats: int) -> dict:
-    return {**timed(lambda: translate(texts, batch_size), repeats), "batch_size": batch_size}
 
 
 def unpadded_differences(translate, texts, heron: list, hf: list) -> list[int]:
@@ -155,7 +157,7 @@ def main() -> int:
                         default=["fixed", "eos"])
     parser.add_argument("--eos-boost", type=float, default=4.5)
     parser.add_argument("--repeats", type=int, default=3,
-                        help="timed runs of each side; the median counts")
+                        help="timed rounds (each side runs once in each); medians count")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" /
                         f"translation-{dt.date.today().isoformat()}.json")
     args = parser.parse_args()
@@ -172,21 +174,27 @@ def main() -> int:
         for workload in args.workloads:
             for beams in args.num_beams:
                 ignore_eos = workload == "fixed"
-                heron = bench_heron(path, tok, texts, tgt_id, args.max_tokens, beams,
-                                    ignore_eos, args.repeats)
+                ours = heron_translator(path, tok, tgt_id, args.max_tokens, beams, ignore_eos,
+                                        len(texts))
                 translate = transformers_translator(model, tok, tgt_id, args.max_tokens, beams,
                                                     ignore_eos)
-                hf = bench_transformers(translate, texts, args.batch_size, args.repeats)
+                result = timed({"heron": lambda: ours(texts),
+                                "transformers": lambda: translate(texts, args.batch_size)},
+                               args.repeats)
+                heron, hf = result["heron"], result["transformers"]
                 differ = unpadded_differences(translate, texts, heron["outputs"], hf["outputs"])
-                heron, hf = summary(heron), summary(hf)
+                heron, hf = summary(heron), {**summary(hf), "batch_size": args.batch_size}
                 name = f"{workload}, num_beams={beams}"
+                # both return the same translations: a round's ratio is one of times
+                rounds = [t / h for h, t in zip(heron["runs"], hf["runs"])]
                 runs[name] = {"heron": heron, "transformers": hf,
-                              "ratio": heron["tokens_per_s"] / hf["tokens_per_s"],
+                              "ratio": statistics.median(rounds), "round_ratios": rounds,
                               "equal_only_unpadded": differ}
                 print(f"{name}: heron {heron['tokens_per_s']:.1f} target tok/s, "
                       f"transformers {hf['tokens_per_s']:.1f} (batches of "
-                      f"{args.batch_size}): {runs[name]['ratio']:.2f}x; lengths "
-                      f"{heron['lengths']}", flush=True)
+                      f"{args.batch_size}): {runs[name]['ratio']:.2f}x (rounds "
+                      f"{min(rounds):.2f}-{max(rounds):.2f}x); lengths {heron['lengths']}",
+                      flush=True)
     result = {"date": dt.datetime.now().isoformat(timespec="seconds"),
               "machine": platform.processor() or platform.machine(), "threads": args.threads,
               "model": {"layers": "6+6", **SHAPE, "vocab": len(tok),
