@@ -43,14 +43,16 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
     @cached_property
-    def padded_blocks_and_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``([B, nb] int64 block ids, [B, 1, 1, max_seq_len] bool key mask)`` covering
-        ``max_seq_len`` keys per sequence, for attention over contexts padded to one length.
-        Computed once per step, shared by every layer."""
-        num_blocks = -(-self.max_seq_len // self.block_size)
-        blocks = self.block_tables[:, :num_blocks].long()
-        keys = torch.arange(self.max_seq_len, device=self.seq_lens.device)
-        return blocks, (keys[None, :] < self.seq_lens[:, None])[:, None, None, :]
+    def padded_slots_and_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([B, max_seq_len] int64 flat cache slots, [B, 1, 1, max_seq_len] bool key
+        mask)``: key ``j`` of sequence ``i`` sits at slot ``[i, j]`` where the mask is True
+        (past a sequence's length the slot is some other one's, masked), for attention over
+        contexts padded to one length. Computed once per step, shared by every layer."""
+        dev, bs = self.seq_lens.device, self.block_size
+        keys = torch.arange(self.max_seq_len, device=dev)
+        blocks = self.block_tables[:, :-(-self.max_seq_len // bs)].long()
+        slots = blocks[:, keys // bs] * bs + keys % bs
+        return slots, (keys[None, :] < self.seq_lens[:, None])[:, None, None, :]
 
     @cached_property
     def padded_queries(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,11 +30,18 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Ten
     return g[..., :length, :, :]
 
 
+def _gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The cache rows at flat ``slots [B, L]``: ``[B, L, H, D]``."""
+    rows = cache.reshape(-1, cache.shape[-2] * cache.shape[-1]).index_select(0, slots.reshape(-1))
+    return rows.view(*slots.shape, *cache.shape[-2:])
+
+
 def _padded(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
     """Every sequence's queries and context padded to the longest, one SDPA call."""
-    blocks, keep = meta.padded_blocks_and_mask
-    k = _gather(k_cache, blocks, meta.max_seq_len).transpose(1, 2)  # [B, Hkv, L, D]
-    v = _gather(v_cache, blocks, meta.max_seq_len).transpose(1, 2)
+    # rows, not whole blocks: a short context's last block is mostly not its own yet
+    slots, keep = meta.padded_slots_and_mask
+    k = _gather_slots(k_cache, slots).transpose(1, 2)  # [B, Hkv, L, D]
+    v = _gather_slots(v_cache, slots).transpose(1, 2)
     q = q.to(k.dtype)
     if meta.is_decode_only:
         return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=keep,
