@@ -120,7 +120,9 @@ def test_drafts_equal_the_reference_modules(tmp_path, tiny, layout, disable_by_b
     recorder = DraftRecorder(engine)
     engine.generate(PROMPTS[:5], [SamplingParams(max_tokens=8 + 4 * i, temperature=0.0,
                                                  ignore_eos=True) for i in range(5)])
-    assert len(recorder.calls) > 20
+    # enough proposals to compare (how many depends on how many drafts the random weights
+    # get accepted: 19 to 48 here)
+    assert len(recorder.calls) > 12
     for tokens, drafts in recorder.calls:
         assert drafts == reference_drafts(hf, module, tokens, 3), tokens
     if layout != "deepseek":
