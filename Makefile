@@ -13,16 +13,16 @@ PLUGIN_FILES := $(shell find $(PLUGIN) -path $(PLUGIN)/build -prune -o \( -name 
 
 setup: $(STAMP) $(PLUGIN_STAMP) model
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# Without a GPU, take the CPU build of torch first; a loose requirement would pull CUDA's.
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/python -m pip install -q torch==2.13.0; fi
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
 	touch $@
 
 $(PLUGIN_STAMP): $(STAMP) $(PLUGIN_FILES)
-	$(BIN)/python -m pip install -q './$(PLUGIN)[test]'
+	$(BIN)/python -m pip install -q -c constraints.txt './$(PLUGIN)[test]'
 	touch $@
 
 model: $(STAMP)
