@@ -32,8 +32,12 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from heron.core.speculative import SpecStats
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,6 +83,17 @@ def run(engine, prompts, params, concurrency: int) -> tuple[list[list[int]], flo
     return outputs, time.perf_counter() - start
 
 
+def draft_counts(s: SpecStats) -> dict:
+    """A run's drafting counts and rates; with prompt_lookup, also each part's."""
+    counts = dict(drafts=s.drafts, draft_tokens=s.draft_tokens,
+                  accepted_tokens=s.accepted_tokens, acceptance_rate=s.acceptance_rate,
+                  acceptance_per_position=[a / max(s.drafts, 1) for a in s.accepted_at],
+                  mean_accepted_length=s.mean_accepted_length)
+    if s.by_source:
+        counts["by_source"] = {name: draft_counts(part) for name, part in s.by_source.items()}
+    return counts
+
+
 def bench(model_path: Path, method: str, workloads: list[str], k: int, max_tokens: int,
           concurrency: int, mtp_head: Path | None = None, threshold: float = 0.0,
           disable_by_batch_size: int = 0, draft_dtype: str = "auto",
@@ -112,13 +127,7 @@ def bench(model_path: Path, method: str, workloads: list[str], k: int, max_token
             entry = {"output_tokens": tokens, "seconds": seconds,
                      "tokens_per_s": tokens / seconds, "outputs": outputs}
             if method:
-                s = engine.spec_stats
-                entry.update(drafts=s.drafts, draft_tokens=s.draft_tokens,
-                             accepted_tokens=s.accepted_tokens,
-                             acceptance_rate=s.acceptance_rate,
-                             acceptance_per_position=[a / max(s.drafts, 1)
-                                                      for a in s.accepted_at],
-                             mean_accepted_length=s.mean_accepted_length)
+                entry.update(draft_counts(engine.spec_stats))
             result[f"{workload}, {mode}"] = entry
     return result
 

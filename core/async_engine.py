@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from heron.core.engine import Engine
 from heron.core.logprobs import TokenLogprobs
@@ -409,8 +409,7 @@ class AsyncEngine:
             num_preemptions=sched.num_preemptions,
             prefix_cache_queried_tokens=sched.prefix_queried_tokens,
             prefix_cache_hit_tokens=sched.prefix_hit_tokens,
-            spec=(replace(spec, accepted_at=list(spec.accepted_at))  # record() mutates it
-                  if engine.proposer is not None else None))
+            spec=spec.copy() if engine.proposer is not None else None)
 
     def _stop(self, request_id: str, reason: str, error: str | None) -> None:
         out = self.engine.abort(request_id)

@@ -152,7 +152,8 @@ class Engine:
             if lookup is None:
                 raise ValueError("[speculative] prompt_lookup needs the 'ngram' proposer, "
                                  "which no plugin registered")
-            proposer = LookupFirst(lookup(self.config, self.runner), proposer)
+            proposer = LookupFirst(lookup(self.config, self.runner), proposer,
+                                   ("ngram", spec.method))
         return proposer
 
     def set_proposer(self, proposer: Proposer) -> None:
@@ -551,7 +552,7 @@ class Engine:
                     walking.append((seq, row))
                     continue
                 accepted = position + matched
-                self.spec_stats.record(len(draft), accepted)
+                self.spec_stats.record(len(draft), accepted, self.proposer.draft_source(seq))
                 if accepted < len(draft) and self.states is not None:
                     # a state went through the rejected drafts too and cannot step back:
                     # restore it, and the next step computes the accepted tokens again

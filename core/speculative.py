@@ -68,25 +68,41 @@ class Proposer(ABC):
         """Forget what the proposer keeps for ``seq`` (it finished, aborted or was
         preempted). Must not raise."""
 
+    def draft_source(self, seq: Sequence) -> str | None:
+        """Which part of a proposer made of several drafted ``seq``'s last drafts, for the
+        metrics; None for a proposer of one part."""
+        return None
+
 
 class LookupFirst(Proposer):
     """Prompt lookup where it finds something, ``model`` (a proposer that drafts with
     weights, such as an MTP head) for the other sequences: on input-grounded text lookup's
     drafts are accepted far more often where they exist, and the head covers the steps
     where they do not. ``model`` observes every step's hidden states, also those of the
-    steps lookup drafted, so its state stays whole."""
+    steps lookup drafted, so its state stays whole. `draft_source` names the part
+    (``names``: lookup's, the model's)."""
 
-    def __init__(self, lookup: Proposer, model: Proposer) -> None:
-        self.lookup, self.model = lookup, model
+    def __init__(self, lookup: Proposer, model: Proposer,
+                 names: tuple[str, str] = ("ngram", "model")) -> None:
+        self.lookup, self.model, self.names = lookup, model, names
         self.needs_hidden_states = model.needs_hidden_states
+        self._looked_up: set[int] = set()  # sequences whose last drafts lookup made
 
     def propose(self, seqs: list[Sequence], k: int) -> list[list[int]]:
-        drafts = self.lookup.propose(seqs, k)
-        rest = [i for i, d in enumerate(drafts) if not d]
+        drafts, rest = self.lookup.propose(seqs, k), []
+        for i, (seq, d) in enumerate(zip(seqs, drafts)):
+            if d:
+                self._looked_up.add(seq.seq_id)
+            else:
+                self._looked_up.discard(seq.seq_id)
+                rest.append(i)
         if rest:
             for i, d in zip(rest, self.model.propose([seqs[i] for i in rest], k)):
                 drafts[i] = d
         return drafts
+
+    def draft_source(self, seq: Sequence) -> str:
+        return self.names[seq.seq_id not in self._looked_up]
 
     def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
         self.model.observe(seq, start, hidden)
@@ -96,6 +112,7 @@ class LookupFirst(Proposer):
         self.model.fork_sequence(parent, child)
 
     def free_sequence(self, seq: Sequence) -> None:
+        self._looked_up.discard(seq.seq_id)
         self.lookup.free_sequence(seq)
         self.model.free_sequence(seq)
 
@@ -104,14 +121,16 @@ class LookupFirst(Proposer):
 class SpecStats:
     """Cumulative counts: ``drafts`` verifications run, ``draft_tokens`` proposed,
     ``accepted_tokens`` of them accepted, ``accepted_at[i]`` drafts accepted at position
-    ``i`` (0-based) of a draft."""
+    ``i`` (0-based) of a draft; ``by_source`` the same for each part of a proposer made of
+    several (`Proposer.draft_source`)."""
 
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_at: list[int] = field(default_factory=list)
+    by_source: dict[str, SpecStats] = field(default_factory=dict)
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
+    def record(self, num_drafted: int, num_accepted: int, source: str | None = None) -> None:
         self.drafts += 1
         self.draft_tokens += num_drafted
         self.accepted_tokens += num_accepted
@@ -119,6 +138,14 @@ class SpecStats:
             self.accepted_at += [0] * (num_drafted - len(self.accepted_at))
         for i in range(num_accepted):
             self.accepted_at[i] += 1
+        if source is not None:
+            self.by_source.setdefault(source, SpecStats()).record(num_drafted, num_accepted)
+
+    def copy(self) -> SpecStats:
+        """A snapshot: `record` goes on changing this one."""
+        return SpecStats(self.drafts, self.draft_tokens, self.accepted_tokens,
+                         list(self.accepted_at),
+                         {name: s.copy() for name, s in self.by_source.items()})
 
     @property
     def acceptance_rate(self) -> float:

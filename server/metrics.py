@@ -115,3 +115,14 @@ class _EngineCounters(Collector):
         yield GaugeMetricFamily("heron_spec_decode_mean_accepted_length", "Tokens emitted per "
                                 "verification (accepted drafts + 1), so far",
                                 value=spec.mean_accepted_length)
+        if not spec.by_source:
+            return
+        for field, doc in (("drafts", "Speculative drafts verified"),
+                           ("draft_tokens", "Draft tokens proposed"),
+                           ("accepted_tokens", "Draft tokens accepted")):
+            family = CounterMetricFamily(f"heron_spec_decode_{field}_by_source",
+                                         f"{doc}, by the proposer part that drafted them "
+                                         "([speculative] prompt_lookup)", labels=["source"])
+            for source, stats in sorted(spec.by_source.items()):
+                family.add_metric([source], getattr(stats, field))
+            yield family

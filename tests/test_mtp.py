@@ -13,12 +13,14 @@ import shutil
 import pytest
 import torch
 
+from heron.core.async_engine import EngineStats
 from heron.core.sampling_params import SamplingParams
 from heron.plugins.mtp.module import MtpModule
 from heron.plugins.mtp.ngram import NgramIndex
 from heron.plugins.mtp.prompts import COPY, copy_prompts
 from heron.plugins.mtp.train import (agreement, chain_mask, generate_samples, load_module,
                                      new_module, train)
+from heron.server.metrics import Metrics
 from tests.engine_utils import assert_no_leaks, make_engine, run_to_end
 from tests.tiny_models import build_tiny
 
@@ -197,6 +199,16 @@ def test_prompt_lookup_drafts_where_it_matches_and_the_head_elsewhere(tiny):
         assert drafts == (lookup or reference_drafts(hf, module, tokens, 3)), tokens
         looked_up += bool(lookup)
     assert 5 < looked_up < len(recorder.calls) - 5
+    # the counts by source: each verification once, under the part that drafted it
+    stats = engine.spec_stats
+    parts = stats.by_source
+    assert sorted(parts) == ["mtp", "ngram"] and 0 < parts["ngram"].drafts <= looked_up
+    for field in ("drafts", "draft_tokens", "accepted_tokens"):
+        assert sum(getattr(s, field) for s in parts.values()) == getattr(stats, field)
+    text = Metrics(lambda: EngineStats(spec=stats.copy())).render().decode()
+    for source, part in parts.items():
+        assert (f'heron_spec_decode_accepted_tokens_by_source_total{{source="{source}"}} '
+                f"{float(part.accepted_tokens)}") in text
     assert_no_leaks(engine)
 
 
@@ -232,7 +244,7 @@ def test_greedy_outputs_are_identical_with_mtp_drafts(tiny, overrides):
         assert engine.scheduler.num_preemptions > 0
     proposer = engine.proposer
     if "speculative.prompt_lookup" in overrides:
-        assert not proposer.lookup.indexes
+        assert not proposer.lookup.indexes and not proposer._looked_up
         proposer = proposer.model
     assert not proposer.caches  # every sequence's drafting state was dropped
     assert_no_leaks(engine)
