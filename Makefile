@@ -46,14 +46,14 @@ $(MTP_HEAD): | setup
 # heron against vLLM CPU and llama.cpp, one after another (peers set up once, in their own
 # directories; one that fails to set up is skipped by the comparison, which says so).
 bench: setup $(MTP_HEAD)
-	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[bench]'
 	-bash bench/peers/setup_vllm.sh
 	-bash bench/peers/setup_llamacpp.sh
 	-bash bench/peers/setup_transformers.sh
 	$(BIN)/python -m bench.compare
 
 bench-profile: setup
-	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[bench]'
 	$(BIN)/python -m bench.profile_server
 
 bench-offline: setup
