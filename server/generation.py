@@ -139,7 +139,7 @@ class Generation:
         """Each engine delta, already absorbed into `choices`, until every prompt finished.
 
         Past ``server.request_timeout_s`` since arrival, aborts every engine request and
-        raises a 408 `APIError` (code ``request_timeout``). Raises ConnectionResetError once
+        raises a 408 `APIError` (code ``request_timeout``, which clients must not retry). Raises ConnectionResetError once
         the client has gone: `serve` cancels the handler of a lost connection anyway, this
         also covers apps run without handler cancellation.
         """
@@ -164,8 +164,11 @@ class Generation:
             pass
         self.is_timed_out = True
         self._abort_live()  # frees the engine's blocks before the next step
+        # OpenAI's clients retry a 408 (twice by default): a request that outlasted the
+        # limit would run up to three times over, on a server already too slow for it
         raise APIError(408, f"the request ran longer than {self.timeout_s:g} s "
-                       "(server.request_timeout_s)", code="request_timeout")
+                       "(server.request_timeout_s)", code="request_timeout",
+                       headers={"x-should-retry": "false"})
 
     async def run_to_end(self) -> None:
         async for _ in self.deltas():

@@ -71,7 +71,8 @@ class ServerThread:
         return self.app[ASYNC_ENGINE]
 
     def client(self, api_key: str = "none", **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0,
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key,
+                             max_retries=kw.pop("max_retries", 0),
                              timeout=kw.pop("timeout", 120), **kw)
 
     def http(self, method: str, path: str, body: bytes | dict | None = None,

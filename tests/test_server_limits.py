@@ -8,6 +8,7 @@ import json
 import threading
 import time
 
+import openai
 import pytest
 
 from heron.core.config import ConfigError
@@ -200,6 +201,23 @@ def test_a_stream_past_its_deadline_ends_with_an_error_event(timeout_server, pat
     assert_error(events[-2].encode(), 408, None, "request_timeout_s")
     assert all("error" not in json.loads(e) for e in events[:-2])
     assert_idle(timeout_server, timeout_s=1.5)  # aborted: not 64 slow steps later
+
+
+def test_the_openai_client_does_not_retry_a_timed_out_request(timeout_server):
+    """The client retries a 408 by default, unless the answer says not to: the request that
+    outlasted the limit runs once, not three times."""
+    aborted = 'heron_requests_finished_total{finish_reason="abort"}'
+    before = timeout_server.metrics().get(aborted, 0.0)
+    client = timeout_server.client(max_retries=2)
+    start = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.completions.create(model="tiny", prompt="The quick brown fox",
+                                  max_tokens=64, temperature=0.0,
+                                  extra_body={"ignore_eos": True})
+    assert raised.value.status_code == 408
+    assert raised.value.response.headers["x-should-retry"] == "false"
+    assert time.monotonic() - start < 1.5  # one deadline, not three
+    assert timeout_server.wait_for(lambda m: m.get(aborted, 0.0) > before)[aborted] == before + 1
 
 
 def test_a_request_within_its_deadline_is_answered(timeout_server):
