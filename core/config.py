@@ -195,7 +195,8 @@ class SpeculativeConfig(_Section):
     (0: no limit). ``prompt_lookup``: with another method, a sequence whose last n-gram
     occurred before drafts by prompt lookup, and only the others by the method.
     ``prompt_lookup_min`` / ``prompt_lookup_max``: the n-gram sizes ``ngram`` (and
-    ``prompt_lookup``) match."""
+    ``prompt_lookup``) match. ``prefix_store_mb``: memory for ``mtp``'s K/V of prompt
+    prefixes, which sequences that start past a prefix-cache hit read (0: none)."""
 
     method: str = ""
     model: str = ""
@@ -206,6 +207,7 @@ class SpeculativeConfig(_Section):
     prompt_lookup: bool = False
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    prefix_store_mb: float = 64.0
 
     def _checks(self):
         return (
@@ -217,6 +219,7 @@ class SpeculativeConfig(_Section):
             ("prompt_lookup_min", self.prompt_lookup_min >= 1, "must be >= 1"),
             ("prompt_lookup_max", self.prompt_lookup_max >= self.prompt_lookup_min,
              "must be >= prompt_lookup_min"),
+            ("prefix_store_mb", self.prefix_store_mb >= 0, "must be >= 0"),
         )
 
 

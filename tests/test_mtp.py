@@ -17,6 +17,7 @@ from heron.core.async_engine import EngineStats
 from heron.core.sampling_params import SamplingParams
 from heron.plugins.mtp.module import MtpModule
 from heron.plugins.mtp.ngram import NgramIndex
+from heron.plugins.mtp.prefix_store import PrefixStore
 from heron.plugins.mtp.prompts import COPY, copy_prompts
 from heron.plugins.mtp.train import (agreement, chain_mask, generate_samples, load_module,
                                      new_module, train)
@@ -180,6 +181,49 @@ def test_a_bf16_head_drafts_almost_what_the_fp32_one_does_and_changes_no_output(
     assert total > 30 and same >= 0.9 * total, (same, total)
     assert engine.spec_stats.accepted_tokens > 0
     assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_drafts_past_a_prefix_cache_hit_read_the_prefix_from_the_store(tiny, store):
+    """A prompt that starts with one run before gets the target's KV of the shared blocks
+    from the prefix cache and the head's K/V of them from its `PrefixStore`: its drafts are
+    the reference module's over the whole sequence. Without the store the head starts at
+    the hit, blind to the prefix, and some drafts differ."""
+    path, hf, module = tiny
+    engine = make_engine(path, **MTP, **{"engine.block_size": 16,
+                                         "speculative.prefix_store_mb": 64 if store else 0})
+    shared = PROMPTS[0] + PROMPTS[3] + PROMPTS[1]  # 41 tokens: two whole blocks
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine.generate([shared + PROMPTS[2]], params)
+    recorder = DraftRecorder(engine)
+    engine.generate([shared + PROMPTS[4]], params)
+    assert engine.scheduler.prefix_hit_tokens >= 32
+    same = [drafts == reference_drafts(hf, module, tokens, 3)
+            for tokens, drafts in recorder.calls]
+    assert len(same) > 5 and all(same) == store
+    assert_no_leaks(engine)
+
+
+def test_prefix_store_keys_blocks_by_everything_they_read():
+    """A block is found only under the same namespace and the same tokens up to the one
+    after it (the module read it), only whole blocks, and the least recently used go
+    first once the store is full."""
+    store = PrefixStore(block_size=4, capacity_bytes=3 * 2 * 4 * 4)  # three blocks
+    tokens = list(range(20, 40))
+    k = torch.arange(12, dtype=torch.float32)[:, None]  # a position's K (and V): its index
+    chain = []
+    store.put(chain, tokens, "a", k, -k, 9)  # blocks 0, 1 (block 2 needs position 11)
+    assert len(chain) == 2 and len(store.blocks) == 2
+    got_k, got_v, got_chain = store.take(tokens, "a", 8)
+    assert torch.equal(got_k, k[:8]) and torch.equal(got_v, -k[:8]) and got_chain == chain
+    assert store.take(tokens, "b", 8) is None  # another adapter's hidden states
+    assert store.take(tokens[:8] + [0] + tokens[9:], "a", 8) is None  # the token after
+    assert store.take(tokens, "a", 6) is None and store.take(tokens, "a", 12) is None
+    store.put(chain, tokens, "a", k, -k, 12)  # block 2: full
+    store.take(tokens, "a", 4)  # block 0 used: block 1 is now the oldest
+    store.put([], tokens, "b", k, -k, 4)  # a fourth block evicts it
+    assert store.take(tokens, "a", 4) is not None and store.take(tokens, "a", 8) is None
+    assert store.take(tokens, "b", 4) is not None
 
 
 def test_prompt_lookup_drafts_where_it_matches_and_the_head_elsewhere(tiny):

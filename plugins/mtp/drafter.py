@@ -11,8 +11,10 @@ module on its own output ``k - 1`` times, the previous draft as the next token.
 Each sequence keeps the module's K/V for its verified positions in tensors of its own
 (`_Cache`): one layer, so a few KB per token; the chained drafts' K/V are dropped again
 after proposing. Positions the target did not compute (a prefix-cache hit, a sibling's
-prompt before its fork copied the parent's cache) have no hidden state: the module then
-starts at the first one it has, which makes drafts weaker there, never outputs different.
+prompt before its fork copied the parent's cache) have no hidden state: the module takes
+its K/V of them from the `PrefixStore` (filled by the sequences that ran those positions)
+when it holds them all, and otherwise starts at the first position it has, which makes
+drafts weaker there, never outputs different.
 
 LoRA: the module runs without adapters; the hidden states it reads are the target's under
 the request's adapter.
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from heron.core import Sequence
 from heron.core.ops import linear, rms_norm
 from heron.core.speculative import Proposer
+from heron.plugins.mtp.prefix_store import Chain, PrefixStore
 from heron.plugins.mtp.weights import DraftTarget, MtpWeights
 from heron.plugins.transformer.model import gated_mlp, qkv_heads
 
@@ -35,13 +38,15 @@ from heron.plugins.transformer.model import gated_mlp, qkv_heads
 @dataclass
 class _Cache:
     """One sequence's MTP state: K/V ``[capacity, Hkv, D]`` of positions ``start ..
-    start + length - 1``, then target hidden states of the next positions not yet run."""
+    start + length - 1``, then target hidden states of the next positions not yet run.
+    ``chain``: the `PrefixStore` keys of its whole blocks when it starts at position 0."""
 
     k: torch.Tensor
     v: torch.Tensor
     start: int
     length: int = 0
     pending: torch.Tensor | None = None
+    chain: Chain | None = None
 
     @property
     def end(self) -> int:
@@ -60,18 +65,23 @@ class _Cache:
         self.length = need
 
     def copy(self) -> _Cache:
-        return _Cache(self.k.clone(), self.v.clone(), self.start, self.length, self.pending)
+        return _Cache(self.k.clone(), self.v.clone(), self.start, self.length, self.pending,
+                      None if self.chain is None else list(self.chain))
 
 
 class MtpProposer(Proposer):
     needs_hidden_states = True
 
     def __init__(self, weights: MtpWeights, target: DraftTarget,
-                 confidence_threshold: float = 0.0) -> None:
+                 confidence_threshold: float = 0.0, block_size: int = 16,
+                 prefix_store_bytes: int = 0) -> None:
+        """``block_size``: the engine's, so that prefix-cache hits end on the store's
+        block boundaries; ``prefix_store_bytes`` 0 keeps no `PrefixStore`."""
         self.w, self.target = weights, target
         self.confidence_threshold = confidence_threshold
         self.shape = target.shape
         self.caches: dict[int, _Cache] = {}
+        self.store = PrefixStore(block_size, prefix_store_bytes) if prefix_store_bytes else None
 
     # -- what the target computed ---------------------------------------------------------
 
@@ -80,18 +90,26 @@ class MtpProposer(Proposer):
         pending_start = cache.end if cache is not None else start
         have = 0 if cache is None or cache.pending is None else cache.pending.shape[0]
         if cache is None or not cache.start <= start <= pending_start + have:
-            self.caches[seq.seq_id] = self._new_cache(start, hidden)
+            self.caches[seq.seq_id] = self._new_cache(seq, start, hidden)
             return
         if start < pending_start:  # positions it ran are being recomputed: run them again
             cache.length, cache.pending = start - cache.start, None
+            if cache.chain is not None:
+                del cache.chain[cache.length // self.store.block_size:]
             pending_start, have = start, 0
         kept = cache.pending[:start - pending_start] if have else hidden[:0]
         cache.pending = torch.cat([kept, hidden])
 
-    def _new_cache(self, start: int, hidden: torch.Tensor) -> _Cache:
+    def _new_cache(self, seq: Sequence, start: int, hidden: torch.Tensor) -> _Cache:
+        if self.store is not None and start > 0:
+            found = self.store.take(seq.token_ids, seq.namespace, start)
+            if found is not None:
+                k, v, chain = found
+                return _Cache(k, v, 0, start, pending=hidden, chain=chain)
         s = self.shape
         empty = hidden.new_empty(64, s.num_kv_heads, s.head_dim)
-        return _Cache(empty, empty.clone(), start, pending=hidden)
+        chain = [] if self.store is not None and start == 0 else None
+        return _Cache(empty, empty.clone(), start, pending=hidden, chain=chain)
 
     def fork_sequence(self, parent: Sequence, child: Sequence) -> None:
         cache = self.caches.get(parent.seq_id)
@@ -127,6 +145,10 @@ class MtpProposer(Proposer):
         positions = torch.cat(positions).to(device)
         out = self._run(torch.cat(hidden), torch.tensor(tokens, device=device), positions,
                         caches, sizes)
+        for (i, cache, _) in ready:  # verified positions: blocks others may start past
+            if cache.chain is not None:
+                self.store.put(cache.chain, seqs[i].token_ids, seqs[i].namespace, cache.k,
+                               cache.v, cache.length)
         last = torch.tensor(sizes, device=device).cumsum(0) - 1
         state, token, prob = self._next(out.index_select(0, last))
         position = positions.index_select(0, last) + 1

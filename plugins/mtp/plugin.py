@@ -34,4 +34,5 @@ def _build_mtp(config, runner):
         raise ValueError(f"[speculative] model {str(path)!r} does not exist")
     spec = config.speculative
     dtype = None if spec.draft_dtype == "auto" else getattr(torch, spec.draft_dtype)
-    return MtpProposer(load_mtp(path, target, dtype), target, spec.confidence_threshold)
+    return MtpProposer(load_mtp(path, target, dtype), target, spec.confidence_threshold,
+                       config.engine.block_size, int(spec.prefix_store_mb * 2**20))
