@@ -17,10 +17,12 @@ bench/results/speculative-<date>.json. Method ``mtp`` drafts with the head ``--m
 ``--confidence-thresholds`` value, its projections in ``--draft-dtype``; with
 ``--disable-by-batch-size N`` each method runs once more without drafts in steps of more
 than N sequences; with ``--prompt-lookup`` mtp runs once more with prompt lookup first.
+With ``--prefix-cache`` every run has the prefix cache on (repeats hit it), the MTP head
+keeping ``--prefix-store-mb`` of its K/V of prompt blocks for them.
 
     python -m bench.speculative [--methods ngram mtp] [--mtp-head H] [--num-speculative-tokens 3]
         [--confidence-thresholds 0 0.2] [--disable-by-batch-size 4]
-        [--draft-dtype bfloat16] [--prompt-lookup] [--repeats 2]
+        [--draft-dtype bfloat16] [--prompt-lookup] [--repeats 2] [--prefix-cache]
 """
 
 from __future__ import annotations
@@ -97,14 +99,16 @@ def draft_counts(s: SpecStats) -> dict:
 def bench(model_path: Path, method: str, workloads: list[str], k: int, max_tokens: int,
           concurrency: int, mtp_head: Path | None = None, threshold: float = 0.0,
           disable_by_batch_size: int = 0, draft_dtype: str = "auto",
-          prompt_lookup: bool = False, repeats: int = 1) -> dict:
+          prompt_lookup: bool = False, repeats: int = 1, prefix_cache: bool = False,
+          prefix_store_mb: float = 64.0) -> dict:
     from heron.core import Engine, SamplingParams, load_config
     from heron.core.speculative import SpecStats
 
     engine = Engine(load_config(None, {
         "model.path": str(model_path), "model.dtype": "float32", "model.device": "cpu",
-        # no prefix cache: a repeat would hit it, and the MTP head would start mid-prompt
-        "prefix_cache.enabled": False,
+        # with the prefix cache a repeat hits it: prefill is skipped, and the MTP head
+        # reads the prompt's K/V from its prefix store (prefix_store_mb)
+        "prefix_cache.enabled": prefix_cache, "speculative.prefix_store_mb": prefix_store_mb,
         "engine.max_num_seqs": concurrency, "speculative.method": method,
         "speculative.num_speculative_tokens": k, "speculative.confidence_threshold": threshold,
         "speculative.disable_by_batch_size": disable_by_batch_size,
@@ -149,6 +153,10 @@ def main() -> int:
                              "[speculative] disable_by_batch_size")
     parser.add_argument("--prompt-lookup", action="store_true",
                         help="mtp runs once more with [speculative] prompt_lookup")
+    parser.add_argument("--prefix-cache", action="store_true",
+                        help="every run with the prefix cache on (repeats hit it)")
+    parser.add_argument("--prefix-store-mb", type=float, default=64.0,
+                        help="[speculative] prefix_store_mb of the mtp runs")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each workload and mode; the fastest counts")
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -168,7 +176,8 @@ def main() -> int:
 
     def without_drafts():
         return bench(model_path, "", args.workloads, args.num_speculative_tokens,
-                     args.max_tokens, args.concurrency, repeats=args.repeats)
+                     args.max_tokens, args.concurrency, repeats=args.repeats,
+                     prefix_cache=args.prefix_cache)
 
     base = without_drafts()
     runs = {"none": base}
@@ -184,7 +193,8 @@ def main() -> int:
                 f"{method}, prompt_lookup" if lookup else method)
         runs[name] = bench(model_path, method, args.workloads, args.num_speculative_tokens,
                            args.max_tokens, args.concurrency, args.mtp_head, threshold,
-                           disable, args.draft_dtype, lookup, args.repeats)
+                           disable, args.draft_dtype, lookup, args.repeats,
+                           args.prefix_cache, args.prefix_store_mb)
     # without drafts once more, last: each speedup is against the faster of the two runs,
     # so that a slow moment of the machine during the first does not flatter the methods
     runs["none, again"] = without_drafts()
