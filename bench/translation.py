@@ -178,10 +178,10 @@ def main() -> int:
                                         len(texts))
                 translate = transformers_translator(model, tok, tgt_id, args.max_tokens, beams,
                                                     ignore_eos)
-                result = timed({"heron": lambda: ours(texts),
+                timing = timed({"heron": lambda: ours(texts),
                                 "transformers": lambda: translate(texts, args.batch_size)},
                                args.repeats)
-                heron, hf = result["heron"], result["transformers"]
+                heron, hf = timing["heron"], timing["transformers"]
                 differ = unpadded_differences(translate, texts, heron["outputs"], hf["outputs"])
                 heron, hf = summary(heron), {**summary(hf), "batch_size": args.batch_size}
                 name = f"{workload}, num_beams={beams}"

@@ -139,9 +139,9 @@ class Generation:
         """Each engine delta, already absorbed into `choices`, until every prompt finished.
 
         Past ``server.request_timeout_s`` since arrival, aborts every engine request and
-        raises a 408 `APIError` (code ``request_timeout``, which clients must not retry). Raises ConnectionResetError once
-        the client has gone: `serve` cancels the handler of a lost connection anyway, this
-        also covers apps run without handler cancellation.
+        raises a 408 `APIError` (code ``request_timeout``, which clients must not retry).
+        Raises ConnectionResetError once the client has gone: `serve` cancels the handler of
+        a lost connection anyway, this also covers apps run without handler cancellation.
         """
         while self._live:
             p, delta = await self._next()

@@ -76,6 +76,12 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+# SpecStats' counts, as a total and, with a proposer of several parts, by source
+_SPEC_COUNTERS = (("drafts", "Speculative drafts verified"),
+                  ("draft_tokens", "Draft tokens proposed"),
+                  ("accepted_tokens", "Draft tokens accepted"))
+
+
 class _EngineCounters(Collector):
     """Counters the engine keeps itself, exported as they are at scrape time."""
 
@@ -98,12 +104,9 @@ class _EngineCounters(Collector):
         spec = stats.spec
         if spec is None:
             return
-        yield CounterMetricFamily("heron_spec_decode_drafts", "Speculative drafts verified",
-                                  value=spec.drafts)
-        yield CounterMetricFamily("heron_spec_decode_draft_tokens", "Draft tokens proposed",
-                                  value=spec.draft_tokens)
-        yield CounterMetricFamily("heron_spec_decode_accepted_tokens", "Draft tokens accepted",
-                                  value=spec.accepted_tokens)
+        for field, doc in _SPEC_COUNTERS:
+            yield CounterMetricFamily(f"heron_spec_decode_{field}", doc,
+                                      value=getattr(spec, field))
         per_position = CounterMetricFamily("heron_spec_decode_accepted_tokens_per_position",
                                            "Draft tokens accepted at each position of a "
                                            "draft (0-based)", labels=["position"])
@@ -117,12 +120,10 @@ class _EngineCounters(Collector):
                                 value=spec.mean_accepted_length)
         if not spec.by_source:
             return
-        for field, doc in (("drafts", "Speculative drafts verified"),
-                           ("draft_tokens", "Draft tokens proposed"),
-                           ("accepted_tokens", "Draft tokens accepted")):
+        for field, doc in _SPEC_COUNTERS:
             family = CounterMetricFamily(f"heron_spec_decode_{field}_by_source",
                                          f"{doc}, by the proposer part that drafted them "
                                          "([speculative] prompt_lookup)", labels=["source"])
-            for source, stats in sorted(spec.by_source.items()):
-                family.add_metric([source], getattr(stats, field))
+            for source, part in sorted(spec.by_source.items()):
+                family.add_metric([source], getattr(part, field))
             yield family
