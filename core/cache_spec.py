@@ -34,11 +34,15 @@ class StateSpec:
     starts, the slot holds the state after the sequence's already computed tokens (zeros for
     a fresh sequence, or a snapshot the prefix cache restored); ``forward`` leaves it holding
     the state after the sequence's last row in the batch.
+
+    ``zero_fresh=False``: a fresh sequence's slot keeps what its last holder left instead
+    of zeros (the family writes what it reads, and the engine saves zeroing a large slot).
     """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype | None = None  # None: the model dtype
+    zero_fresh: bool = True
 
 
 @dataclass(frozen=True)

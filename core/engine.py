@@ -76,7 +76,7 @@ class Engine:
             if caching:
                 num_snapshots = cache_cfg.num_snapshots or int(
                     cache_cfg.snapshot_memory_gb * 2**30) // snapshot_bytes(spec, self.dtype)
-            self.states = StatePool(self.cache, engine.max_num_seqs, num_snapshots)
+            self.states = StatePool(self.cache, spec, engine.max_num_seqs, num_snapshots)
         self.prefix_cache = None
         if caching:
             self.prefix_cache = PrefixCache(

@@ -29,8 +29,10 @@ def snapshot_bytes(spec: CacheSpec, dtype: torch.dtype) -> int:
 
 
 class StatePool:
-    def __init__(self, cache: CacheTensors, num_slots: int, num_snapshots: int) -> None:
+    def __init__(self, cache: CacheTensors, spec: CacheSpec, num_slots: int,
+                 num_snapshots: int) -> None:
         self.states = cache.states
+        self._zero_fresh = [s.name for s in spec.states if s.zero_fresh]
         self.slots = SlotPool(num_slots)
         self.snapshot_pool = SlotPool(num_snapshots) if num_snapshots else None
         self.snapshots = {name: torch.zeros((num_snapshots, *t.shape[1:]), dtype=t.dtype,
@@ -49,8 +51,8 @@ class StatePool:
         """Give ``seq`` a slot holding the state after no tokens."""
         if seq.state_slot is None:
             seq.state_slot = self.slots.allocate()
-            for t in self.states.values():
-                t[seq.state_slot].zero_()
+            for name in self._zero_fresh:
+                self.states[name][seq.state_slot].zero_()
 
     def fork(self, parent: Sequence, child: Sequence, copy) -> None:
         """Give ``child`` a slot holding ``parent``'s state (a beam forked from it): a new

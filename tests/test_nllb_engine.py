@@ -71,6 +71,22 @@ def test_greedy_translations_match_transformers(tiny, overrides):
     assert_no_leaks(engine)
 
 
+def test_a_slot_keeps_nothing_of_what_it_held(tiny):
+    """A new sequence's slot is not zeroed (`zero_fresh=False`): whatever its states held
+    before, even NaN, no translation reads it (short sources beside long ones read keys past
+    their own, masked, so those rows must be zeros)."""
+    directory, tok, jobs, refs = tiny
+    engine = make_engine(directory, **{"engine.max_num_seqs": 2})
+    for state in engine.cache.states.values():
+        state.fill_(float("nan") if state.is_floating_point() else 10**6)
+    for round_ in range(2):  # then each slot again, after sources of other lengths
+        outs, _ = translate(engine, tok, jobs[::-1] if round_ else jobs)
+        expected = refs[::-1] if round_ else refs
+        assert [o.prompt_token_ids + o.outputs[0].token_ids for o in outs] == \
+            [seq for seq, _ in expected]
+    assert_no_leaks(engine)
+
+
 def test_encoder_prompts_are_required_exactly_where_there_is_an_encoder(tiny, tmp_path):
     directory, tok, jobs, _ = tiny
     engine = make_engine(directory)

@@ -34,14 +34,19 @@ class NllbRunner(ModelRunner):
         heads, head_dim = cfg.num_decoder_heads, cfg.decoder_head_dim
         return CacheSpec(
             kv=KVCacheSpec(cfg.num_decoder_layers, heads, head_dim),
-            # heads before positions: one head's keys are one matrix for the matmuls
+            # heads before positions: one head's keys are one matrix for the matmuls. Not
+            # zeroed for a new sequence (6 MB a slot at d_model 512): `encode` writes its
+            # source's rows and zeroes the rest that any earlier holder may have filled
             states=(StateSpec("cross_kv", (cfg.num_decoder_layers, 2, heads,
-                                           self.max_encoder_len, head_dim)),
+                                           self.max_encoder_len, head_dim), zero_fresh=False),
                     StateSpec("cross_len", (1,), torch.int64),
-                    StateSpec("encoder_hidden", (self.max_encoder_len, cfg.d_model))))
+                    StateSpec("encoder_hidden", (self.max_encoder_len, cfg.d_model),
+                              zero_fresh=False)))
 
     def bind_cache(self, cache: CacheTensors) -> None:
         self.cache = cache
+        # per slot, the cross-attention rows not known to be zeros (at first: all of them)
+        self._written = [self.max_encoder_len] * cache.states["cross_len"].shape[0]
 
     @torch.inference_mode()
     def encode(self, chunks: list[EncoderChunk]) -> None:
@@ -80,6 +85,10 @@ class NllbRunner(ModelRunner):
             cross[slots, i, 0, :, positions] = k  # k, v [rows, heads, head_dim]
             cross[slots, i, 1, :, positions] = v
         ended = [(c.slot, n) for c, n, f in zip(chunks, sizes, finished) if f]
+        for slot, n in ended:  # keys past a source are masked, their rows zeros (0 * inf: NaN)
+            if self._written[slot] > n:
+                cross[slot, :, :, :, n:self._written[slot]] = 0
+            self._written[slot] = n
         ended_slots, ended_sizes = (torch.tensor(t, device=dev) for t in zip(*ended))
         states["cross_len"][ended_slots, 0] = ended_sizes
 
