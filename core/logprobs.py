@@ -16,12 +16,17 @@ class TokenLogprobs:
     the number of vocabulary entries at least as likely as the token: 1 for the most likely,
     and ties count against it (vLLM's convention). ``top`` holds the ``k`` most likely
     ``(token_id, logprob)`` pairs, most likely first; it may or may not contain ``token_id``.
+    ``text_offset`` (generated tokens; the engine sets it as it detokenizes) counts the
+    characters of the sequence's text decoded before the token. Text is held back while a
+    character split over tokens is unfinished, so its pieces share the offset of the text
+    they complete.
     """
 
     token_id: int
     logprob: float
     rank: int
     top: list[tuple[int, float]]
+    text_offset: int = 0
 
 
 def gather_token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,

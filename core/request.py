@@ -39,6 +39,7 @@ class SeqOutput:
         out.token_ids.append(token_id)
         out.new_token_ids.append(token_id)
         if logprob is not None and out.logprobs is not None:
+            logprob.text_offset = len(self.detok.output_text) if self.detok is not None else 0
             out.logprobs.append(logprob)
         if token_id in params.stop_token_ids:
             return self.finish("stop", token_id)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,18 @@ __all__ = ["Tokenizer"]
 log = logging.getLogger(__name__)
 
 _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte (GPT-2's): printable Latin-1 bytes stand
+    for themselves, the others for ``chr(256 + i)`` in byte order; inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 class Tokenizer:
@@ -61,6 +74,31 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``. Bytes of an incomplete UTF-8 character decode to U+FFFD."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for, exact where decoding it alone is not: a piece
+        of a UTF-8 character split over tokens (byte-level BPE, or SentencePiece's
+        ``<0xNN>`` byte fallback) decodes to U+FFFD but keeps its own bytes here."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode()
+        if self._byte_level:
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()  # SentencePiece's word marker
+
+    @cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self.backend.get_added_tokens_decoder())
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        """Whether the vocabulary spells bytes as GPT-2's printable characters."""
+        decoder = self.backend.decoder
+        return decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)

@@ -43,8 +43,10 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         if (error := gen.failure()) is not None:
             raise error
         text_of = token_id_text if req.return_tokens_as_token_ids else app[TOKEN_TEXTS]
+        bytes_of = app[TOKEN_TEXTS].bytes_of
         choices = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.text),
-                              logprobs=ChatLogprobs(content=chat_logprobs(c.logprobs, text_of))
+                              logprobs=ChatLogprobs(content=chat_logprobs(c.logprobs, text_of,
+                                                                          bytes_of))
                               if req.logprobs else None,
                               finish_reason=api_finish_reason(c.finish_reason),
                               stop_reason=c.stop_reason)
@@ -58,6 +60,7 @@ async def _stream(request: web.Request, req: ChatCompletionRequest,
                   gen: Generation) -> web.StreamResponse:
     events = EventStream(request)
     text_of = token_id_text if req.return_tokens_as_token_ids else request.app[TOKEN_TEXTS]
+    bytes_of = request.app[TOKEN_TEXTS].bytes_of
 
     def chunk(choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=gen.id, created=gen.created, model=gen.model,
@@ -73,7 +76,8 @@ async def _stream(request: web.Request, req: ChatCompletionRequest,
                 if sd.finish_reason in ("error", "abort"):
                     await events.fail(gen.failure())
                     return None
-                logprobs = (ChatLogprobs(content=chat_logprobs(sd.logprobs or [], text_of))
+                logprobs = (ChatLogprobs(content=chat_logprobs(sd.logprobs or [], text_of,
+                                                               bytes_of))
                             if req.logprobs and sd.token_ids else None)
                 if sd.text or logprobs or sd.finish_reason:
                     choices.append(ChatChunkChoice(

@@ -14,10 +14,11 @@ from aiohttp import web
 
 from heron.server.admission import (check_fits, check_request, encode_prompts,
                                     sampling_params)
-from heron.server.appkeys import TOKEN_TEXTS
+from heron.server.appkeys import ASYNC_ENGINE, TOKEN_TEXTS
 from heron.server.errors import bad_request, decode_body
 from heron.server.generation import Choice, Generation
-from heron.server.logprob_format import completion_logprobs, token_id_text
+from heron.server.logprob_format import (completion_logprobs, generated_offsets,
+                                         prompt_offsets, token_id_text)
 from heron.server.protocol import CompletionRequest
 from heron.server.responses import (CompletionChoice, CompletionLogprobs, CompletionResponse,
                                     api_finish_reason, encode)
@@ -47,7 +48,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                              prompt_logprobs=req.logprobs if req.echo else None)
     view = _View(request, req, texts, prompts, score_only)
     async with Generation(request, "cmpl", prompts, params, req.cache_salt,
-                          adapter=adapter, encoder_prompts=sources) as gen:
+                          adapter=adapter, encoder_prompts=sources, scoring=score_only) as gen:
         if req.stream:
             return await view.stream(gen)
         await gen.run_to_end()
@@ -56,7 +57,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         choices = [view.whole_choice(gen, c) for c in sorted(gen.choices.values(),
                                                                 key=lambda c: c.index)]
         body = CompletionResponse(id=gen.id, created=gen.created, model=gen.model,
-                                  choices=choices, usage=gen.usage(count_completion=not score_only))
+                                  choices=choices, usage=gen.usage())
         return web.Response(body=encode(body), content_type="application/json")
 
 
@@ -67,6 +68,7 @@ class _View:
                  prompts: list[list[int]], score_only: bool) -> None:
         self.request, self.req, self.texts, self.prompts = request, req, texts, prompts
         self.score_only = score_only
+        self.tokenizer = request.app[ASYNC_ENGINE].engine.tokenizer
         self.text_of = (token_id_text if req.return_tokens_as_token_ids
                         else request.app[TOKEN_TEXTS])
 
@@ -75,8 +77,9 @@ class _View:
         if self.req.logprobs is None:
             return self.texts[p], None
         entries = gen.prompt_logprobs.get(p, [])
-        return self.texts[p], completion_logprobs(entries, self.text_of,
-                                                  self.prompts[p][:len(entries)], 0)
+        ids = self.prompts[p][:len(entries)]
+        offsets = prompt_offsets(self.tokenizer, ids, self.texts[p])
+        return self.texts[p], completion_logprobs(entries, self.text_of, ids, offsets)
 
     def whole_choice(self, gen: Generation, c: Choice) -> CompletionChoice:
         text, logprobs = self._echo(gen, c.prompt_index) if self.req.echo else ("", None)
@@ -84,7 +87,8 @@ class _View:
             logprobs = CompletionLogprobs()
         if not self.score_only:
             if logprobs is not None:
-                completion_logprobs(c.logprobs, self.text_of, c.token_ids, len(text), logprobs)
+                completion_logprobs(c.logprobs, self.text_of, c.token_ids,
+                                    generated_offsets(c.logprobs, len(text)), logprobs)
             text += c.text
         return CompletionChoice(index=c.index, text=text, logprobs=logprobs,
                                 finish_reason=api_finish_reason(c.finish_reason),
@@ -98,7 +102,7 @@ class _View:
     async def stream(self, gen: Generation) -> web.StreamResponse:
         events = EventStream(self.request)
         n = gen.params.n
-        sent_chars = {c.index: 0 for c in gen.choices.values()}
+        starts = {c.index: 0 for c in gen.choices.values()}  # of the generated text
         echoed: set[int] = set()
 
         async def produce() -> CompletionResponse | None:
@@ -111,7 +115,7 @@ class _View:
                         CompletionChoice(index=p * n + i, text=text, logprobs=logprobs)
                         for i in range(n)]))
                     for i in range(n):
-                        sent_chars[p * n + i] = len(text)
+                        starts[p * n + i] = len(text)
                 chunks = []
                 for sd in delta.seqs:
                     c = gen.choices[(p, sd.index)]
@@ -120,9 +124,10 @@ class _View:
                         return None
                     text, logprobs = ("", None) if self.score_only else (sd.text, None)
                     if self.req.logprobs is not None and not self.score_only:
-                        logprobs = completion_logprobs(sd.logprobs or [], self.text_of,
-                                                       sd.token_ids, sent_chars[c.index])
-                    sent_chars[c.index] += len(text)
+                        entries = sd.logprobs or []
+                        logprobs = completion_logprobs(
+                            entries, self.text_of, sd.token_ids,
+                            generated_offsets(entries, starts[c.index]))
                     if text or logprobs or sd.finish_reason:
                         chunks.append(CompletionChoice(
                             index=c.index, text=text, logprobs=logprobs,
@@ -133,7 +138,7 @@ class _View:
             if self.req.stream_options is None or not self.req.stream_options.include_usage:
                 return None
             final = self._chunk(gen, [])
-            final.usage = gen.usage(count_completion=not self.score_only)
+            final.usage = gen.usage()
             return final
 
         return await events.run(produce)

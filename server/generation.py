@@ -54,11 +54,15 @@ class Generation:
     def __init__(self, request: web.Request, kind: str, prompts: list[list[int]],
                  params: SamplingParams, cache_salt: str | None = None, *,
                  adapter: str | None = None,
-                 encoder_prompts: list[list[int]] | None = None) -> None:
+                 encoder_prompts: list[list[int]] | None = None, scoring: bool = False) -> None:
+        """``scoring``: the call only scores its prompts (a completion's ``max_tokens: 0``
+        with ``echo``); the token the engine generates for it is not the caller's, in usage
+        or metrics."""
         app = request.app
         self._request = request
         self.engine, self.metrics = app[ASYNC_ENGINE], app[METRICS]
         self.adapter = adapter  # a LoRA adapter's name; responses then name it as the model
+        self.scoring = scoring
         self.model = adapter or app[MODEL_NAME]
         self.log_requests = app[CONFIG].logging.log_requests
         self.id = f"{kind}-{uuid.uuid4().hex}"
@@ -187,7 +191,8 @@ class Generation:
                 elif choice.last_token_s is not None:
                     self.metrics.inter_token.observe(delta.time_s - choice.last_token_s)
                 choice.last_token_s = delta.time_s
-                self.metrics.generation_tokens.inc(len(sd.token_ids))
+                if not self.scoring:
+                    self.metrics.generation_tokens.inc(len(sd.token_ids))
             choice.text += sd.text
             choice.token_ids += sd.token_ids
             choice.logprobs += sd.logprobs or ()
@@ -222,10 +227,10 @@ class Generation:
         """The prompts' tokens; a translation's are its sources'."""
         return sum(map(len, self.encoder_prompts or self.prompts))
 
-    def usage(self, *, count_completion: bool = True) -> Usage:
+    def usage(self) -> Usage:
         prompt = self.num_prompt_tokens
         completion = (sum(len(c.token_ids) for c in self.choices.values())
-                      if count_completion else 0)
+                      if not self.scoring else 0)
         return Usage(prompt_tokens=prompt, completion_tokens=completion,
                      total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(

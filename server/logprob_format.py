@@ -1,9 +1,11 @@
 """Engine logprobs (`TokenLogprobs`) in the two shapes the OpenAI API uses.
 
 Completions: parallel lists ``tokens`` / ``token_logprobs`` / ``top_logprobs`` (a dict of
-token text to logprob) / ``text_offset``. Chat: a list of ``{token, logprob, bytes,
+token text to logprob) / ``text_offset`` (where each token's text starts in the response's
+text, the same whether streamed or not). Chat: a list of ``{token, logprob, bytes,
 top_logprobs}``. A token's text is its own decoding (special tokens included); a token that
-is part of a multi-byte character decodes to U+FFFD, as in vLLM.
+is part of a multi-byte character decodes to U+FFFD, as in vLLM, while its ``bytes`` are
+its own, so that joining them rebuilds the text, as OpenAI's are.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from heron.core.detokenizer import IncrementalDetokenizer
 from heron.core.logprobs import TokenLogprobs
 from heron.server.responses import ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
@@ -44,35 +47,65 @@ class TokenTexts:
             self._cache[token_id] = text
         return text
 
+    def bytes_of(self, token_id: int) -> list[int]:
+        """The token's own bytes (`Tokenizer.token_bytes`), as OpenAI's ``bytes`` lists
+        them: a character split over tokens is their bytes joined."""
+        if self.tokenizer is None:
+            return list(self(token_id).encode())
+        return list(self.tokenizer.token_bytes(token_id))
+
 
 def completion_logprobs(entries: Sequence[TokenLogprobs | None], text_of: Callable[[int], str],
-                        token_ids: Sequence[int], text_offset: int,
+                        token_ids: Sequence[int], offsets: Sequence[int],
                         into: CompletionLogprobs | None = None) -> CompletionLogprobs:
-    """Append ``entries`` (one per ``token_ids``; None for a first prompt token) to ``into``.
-    Offsets count characters from ``text_offset``, the length of the text already sent."""
+    """Append ``entries`` (one per ``token_ids``; None for a first prompt token) and the
+    tokens' ``offsets`` into the response's text to ``into``. As in OpenAI's API, a token's
+    top logprobs include its own (up to ``logprobs + 1`` entries)."""
     out = into if into is not None else CompletionLogprobs()
-    offset = text_offset
-    for token_id, entry in zip(token_ids, entries, strict=True):
+    for token_id, entry, offset in zip(token_ids, entries, offsets, strict=True):
         text = text_of(token_id)
         out.tokens.append(text)
         out.text_offset.append(offset)
-        offset += len(text)
         if entry is None:
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
             continue
-        out.token_logprobs.append(_finite(entry.logprob))
-        out.top_logprobs.append({text_of(t): _finite(lp) for t, lp in entry.top})
+        logprob = _finite(entry.logprob)
+        out.token_logprobs.append(logprob)
+        top = {text_of(t): _finite(lp) for t, lp in entry.top}
+        top[text] = logprob  # over another token of the same text (pieces of characters)
+        out.top_logprobs.append(top)
     return out
 
 
-def chat_logprobs(entries: Sequence[TokenLogprobs],
-                  text_of: Callable[[int], str]) -> list[ChatTokenLogprob]:
+def generated_offsets(entries: Sequence[TokenLogprobs], start: int) -> list[int]:
+    """Generated tokens' offsets into a response whose generated text starts at ``start``."""
+    return [start + e.text_offset for e in entries]
+
+
+def prompt_offsets(tokenizer, token_ids: Sequence[int], text: str) -> list[int]:
+    """Each prompt token's offset into the prompt's ``text``, decoding as the engine does
+    (a character split over tokens starts where its first token does). A token whose text
+    is not there (a BOS the tokenizer added) takes the offset without moving it."""
+    if tokenizer is None:
+        return [0] * len(token_ids)
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
+    offsets, at = [], 0
+    for token_id in token_ids:
+        offsets.append(at)
+        piece = detok.append([token_id])
+        if piece and text.startswith(piece, at):
+            at += len(piece)
+    return offsets
+
+
+def chat_logprobs(entries: Sequence[TokenLogprobs], text_of: Callable[[int], str],
+                  bytes_of: Callable[[int], list[int]]) -> list[ChatTokenLogprob]:
     result = []
     for entry in entries:
-        text = text_of(entry.token_id)
-        top = [TopLogprob(token=text_of(t), logprob=_finite(lp), bytes=list(text_of(t).encode()))
+        top = [TopLogprob(token=text_of(t), logprob=_finite(lp), bytes=bytes_of(t))
                for t, lp in entry.top]
-        result.append(ChatTokenLogprob(token=text, logprob=_finite(entry.logprob),
-                                       bytes=list(text.encode()), top_logprobs=top))
+        result.append(ChatTokenLogprob(token=text_of(entry.token_id),
+                                       logprob=_finite(entry.logprob),
+                                       bytes=bytes_of(entry.token_id), top_logprobs=top))
     return result

@@ -106,20 +106,28 @@ def test_completion_stop_and_stop_token_ids(client, tokenizer):
     assert by_id.choices[0].finish_reason == "stop" and by_id.usage.completion_tokens <= 3
 
 
-def test_completion_logprobs_and_echo(client, tokenizer):
+def test_completion_logprobs_and_echo(server, client, tokenizer):
     ids = tokenizer.encode(PROMPT)
     out = completion(client, logprobs=3, echo=True).choices[0]
     lp = out.logprobs
     assert len(lp.tokens) == len(ids) + 12 == len(lp.token_logprobs) == len(lp.text_offset)
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(v <= 0 for v in lp.token_logprobs[1:])
-    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+    # up to logprobs + 1: the token's own logprob is always there
+    for t, v, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert 1 <= len(top) <= 4 and top[t] == v, (t, v, top)
     assert out.text.startswith(PROMPT)
     assert out.text == PROMPT + completion(client).choices[0].text
     assert lp.text_offset == sorted(lp.text_offset)
-    # max_tokens 0 with echo scores the prompt only
+    # max_tokens 0 with echo scores the prompt only, and generates nothing in the metrics
+    generated = 'heron_tenant_tokens_total{kind="generated",tenant=""}'
+    before = server.metrics()
     scored = completion(client, logprobs=1, echo=True, max_tokens=0)
     assert scored.choices[0].text == PROMPT and scored.usage.completion_tokens == 0
+    after = server.metrics()
+    assert after["heron_generation_tokens_total"] == before["heron_generation_tokens_total"]
+    assert after[generated] == before[generated]
+    assert after["heron_prompt_tokens_total"] == before["heron_prompt_tokens_total"] + len(ids)
     assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(ids)]
 
 

@@ -68,3 +68,47 @@ def test_greedy_streaming_equals_whole_for_chat_and_completions(client):
     whole = client.completions.create(**prompt)
     streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **prompt))
     assert streamed == whole.choices[0].text and "Paris" in streamed
+
+
+def test_text_offsets_of_characters_split_over_tokens(client):
+    """An emoji and CJK characters take several byte-level tokens each. Every token's
+    ``text_offset`` points into the returned text (pieces of a character, held back until
+    it is whole, share the offset of the text they complete), echoed prompt and generated
+    tokens alike, streamed or not."""
+    prompt = ("<|im_start|>user\nRepeat: 🎉 你好<|im_end|>\n<|im_start|>assistant\n"
+              "Sure: 🎉 你")
+    args = dict(model="SmolLM2-135M-Instruct.Q4_1", prompt=prompt, temperature=0.0,
+                max_tokens=12, logprobs=0, echo=True)
+    whole = client.completions.create(**args).choices[0]
+    lp, text = whole.logprobs, whole.text
+    split = [t for t in lp.tokens if "\ufffd" in t]
+    assert len(split) >= 6 and text.startswith(prompt)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(text)
+    for i, (token, offset) in enumerate(zip(lp.tokens, lp.text_offset)):
+        whole = token.split("\ufffd")[0]  # then pieces of a character
+        assert text[offset:offset + len(whole)] == whole, (i, token, offset)
+        if not whole:  # only pieces: of the character at (or, held back with it, after)
+            assert any(len(c.encode()) > 1 for c in text[offset:offset + 2]), (i, offset)
+    chunks = list(client.completions.create(stream=True, **args))
+    assert "".join(c.choices[0].text for c in chunks) == text
+    assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+
+
+def test_chat_logprob_bytes_join_into_the_content(client):
+    """A token holding part of a character shows U+FFFD as its ``token`` but its own
+    ``bytes``: joined, they are the content's UTF-8, streamed or not (OpenAI's contract)."""
+    args = dict(model="SmolLM2-135M-Instruct.Q4_1", temperature=0.0, max_tokens=12,
+                logprobs=True, top_logprobs=2,
+                messages=[{"role": "user", "content": "Repeat exactly: 🎉 你好"}])
+    whole = client.chat.completions.create(**args).choices[0]
+    entries = whole.logprobs.content
+    if whole.finish_reason == "stop":  # the end-of-turn token: not in the content
+        entries = entries[:-1]
+    assert sum("\ufffd" in e.token for e in entries) >= 3
+    assert bytes(b for e in entries for b in e.bytes) == whole.message.content.encode()
+    assert all(t.bytes and bytes(t.bytes).decode("utf-8", "replace") == t.token
+               or "\ufffd" in t.token for e in entries for t in e.top_logprobs)
+    chunks = list(client.chat.completions.create(stream=True, **args))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [e.bytes for e in streamed[:len(entries)]] == [e.bytes for e in entries]

@@ -76,6 +76,36 @@ def test_gguf_encode_decode_match_transformers(gguf_pair, text):
     assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
 
 
+def test_token_bytes_rebuild_the_text(gguf_pair):
+    """Byte-level BPE: each token's bytes (pieces of characters included, which decode to
+    U+FFFD alone) join into the text's UTF-8; an added special token is its own text."""
+    ours, _ = gguf_pair
+    split = 0
+    for text in TEXTS:
+        ids = ours.encode(text, add_special_tokens=False)
+        assert b"".join(ours.token_bytes(i) for i in ids) == text.encode(), text
+        split += sum("\ufffd" in ours.decode([i]) for i in ids)
+    assert split >= 10
+    assert ours.token_bytes(ours.token_to_id("<|im_end|>")) == b"<|im_end|>"
+
+
+def test_token_bytes_of_a_byte_fallback_sentencepiece():
+    """SentencePiece-style BPE (Llama 2, Mistral): ``▁`` marks a space and a character
+    missing from the vocabulary falls back to ``<0xNN>`` byte tokens."""
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)},
+             "\u2581": 257, "h": 258, "i": 259, "\u2581h": 260, "\u2581hi": 261}
+    backend = RawTokenizer(models.BPE(vocab=vocab, merges=[("\u2581", "h"), ("\u2581h", "i")],
+                                      byte_fallback=True, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok = Tokenizer(backend, special_tokens={})
+    text = "hi 🎉 hi é"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text and 1 + 0xF0 in ids  # the emoji went byte by byte
+    assert b"".join(tok.token_bytes(i) for i in ids) == b" " + text.encode()
+
+
 def test_gguf_digits_are_split_individually(gguf_pair):
     ours, _ = gguf_pair
     tokens = ours.convert_ids_to_tokens(ours.encode("year 2024"))
