@@ -41,22 +41,30 @@ class SeqOutput:
         if logprob is not None and out.logprobs is not None:
             logprob.text_offset = len(self.detok.output_text) if self.detok is not None else 0
             out.logprobs.append(logprob)
-        if token_id in params.stop_token_ids:
-            return self.finish("stop", token_id)
-        if token_id in self.eos_token_ids:
-            return self.finish("stop", None)
-        delta = self.detok.append([token_id]) if self.detok is not None else ""
-        if self.stop is not None and seq.num_output_tokens > params.min_tokens - 1:
-            delta, matched = self.stop.feed(delta)
-            self._emit(delta)
-            if matched is not None:
-                return self.finish("stop", matched, flush=False)
-        else:
-            self._emit(delta)
+        stop_token = token_id in params.stop_token_ids
+        if stop_token or token_id in self.eos_token_ids:
+            if params.include_stop_str_in_output:  # its text too (none if a skipped special)
+                matched = self._add_text(token_id)
+                if matched is not None:
+                    return self.finish("stop", matched, flush=False)
+            return self.finish("stop", token_id if stop_token else None)
+        matched = self._add_text(token_id)
+        if matched is not None:
+            return self.finish("stop", matched, flush=False)
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             return self.finish("length")
         if len(seq) >= self.max_model_len:
             return self.finish("length")
+
+    def _add_text(self, token_id: int) -> str | None:
+        """Emit the text ``token_id`` completes; returns the stop string it completed."""
+        delta = self.detok.append([token_id]) if self.detok is not None else ""
+        if self.stop is not None and self.seq.num_output_tokens > self.seq.params.min_tokens - 1:
+            delta, matched = self.stop.feed(delta)
+            self._emit(delta)
+            return matched
+        self._emit(delta)
+        return None
 
     def _emit(self, text: str) -> None:
         self.out.text += text

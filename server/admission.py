@@ -24,6 +24,9 @@ def check_request(app: web.Application, req: SamplingFields) -> str | None:
     if (name := req.unsupported_field()) is not None:
         raise bad_request(f"`{name}` is not supported by this server", param=name,
                           code="unsupported_field")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("`stream_options` is only allowed with `stream: true`",
+                          param="stream_options")
     check_limits(app[CONFIG].server, req)
     return check_model(app, req.model)
 

@@ -1,4 +1,4 @@
-"""Small read-only routes: /health, /v1/models, /metrics, /openapi.json."""
+"""Small read-only routes: /health, /v1/models (and one by id), /metrics, /openapi.json."""
 
 from __future__ import annotations
 
@@ -24,10 +24,9 @@ async def health(request: web.Request) -> web.Response:
     return _json(HealthResponse())
 
 
-async def list_models(request: web.Request) -> web.Response:
+def _model_cards(app: web.Application) -> list[ModelCard]:
     """The base model, then each LoRA adapter (``parent``: the base model, ``root``: its
     path), as vLLM lists them."""
-    app = request.app
     async_engine = app[ASYNC_ENGINE]
     engine = async_engine.engine
     base = app[MODEL_NAME]
@@ -36,7 +35,21 @@ async def list_models(request: web.Request) -> web.Response:
     cards += [ModelCard(id=name, created=app[CREATED_AT], root=path, parent=base,
                         max_model_len=engine.max_model_len)
               for name, path in async_engine.adapters.items() if name != base]
-    return _json(ModelList(data=cards))
+    return cards
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return _json(ModelList(data=_model_cards(request.app)))
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}: its card, or OpenAI's 404 ``model_not_found``."""
+    model = request.match_info["model"]
+    card = next((c for c in _model_cards(request.app) if c.id == model), None)
+    if card is None:
+        raise APIError(404, f"the model `{model}` does not exist", param="model",
+                       code="model_not_found")
+    return _json(card)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -16,6 +16,7 @@ _REF = "#/components/schemas/{name}"
 ROUTES = (
     ("get", "/health", "Liveness: 200 while the engine runs", None, res.HealthResponse, False),
     ("get", "/v1/models", "The served model and its LoRA adapters", None, res.ModelList, False),
+    ("get", "/v1/models/{model}", "One of them by id", None, res.ModelCard, False),
     ("post", "/v1/completions", "Text completion", req.CompletionRequest,
      res.CompletionResponse, True),
     ("post", "/v1/chat/completions", "Chat completion", req.ChatCompletionRequest,
@@ -64,6 +65,9 @@ def openapi_document() -> bytes:
                                   "default": error}}
         if body is not None:
             op["requestBody"] = {"required": True, "content": _json_content(by_type[body])}
+        if "{model}" in path:
+            op["parameters"] = [{"name": "model", "in": "path", "required": True,
+                                 "schema": {"type": "string"}}]
         paths.setdefault(path, {})[method] = op
     paths["/metrics"] = {"get": {"summary": "Prometheus metrics", "responses": {
         "200": {"description": "text exposition format",

@@ -18,7 +18,7 @@ from heron.core.config import MAX_LOGPROBS, MAX_N
 
 NonNegInt = Annotated[int, Meta(ge=0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Seed = Annotated[int, Meta(ge=-2**63, le=2**63 - 1)]  # int64, as vLLM
 NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 # NLLB language codes (``eng_Latn``): one for every input, or one per input
 LanguageCodes = str | list[str]

@@ -6,7 +6,7 @@ from aiohttp import web
 
 from heron.server.chat import create_chat_completion
 from heron.server.completions import create_completion
-from heron.server.info import health, list_models, metrics, openapi
+from heron.server.info import health, list_models, metrics, openapi, retrieve_model
 from heron.server.lora import load_lora_adapter, unload_lora_adapter
 from heron.server.tokenize import detokenize, tokenize
 from heron.server.translations import create_translation
@@ -17,6 +17,7 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)  # ids may hold "/"
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_post("/v1/translations", create_translation)

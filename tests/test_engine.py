@@ -74,11 +74,17 @@ def test_stop_string_cuts_exactly_before_it_also_across_tokens(engine):
 def test_stop_token_ids_min_tokens_and_length(engine):
     greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     full = engine.generate(["def add"], greedy)[0].outputs[0].token_ids
-    stop_id = full[3]
+    stop_id = next(t for t in full[3:] if engine.tokenizer.decode([t]))  # one with text
     out = engine.generate(["def add"], SamplingParams(max_tokens=20, temperature=0.0,
                                                       stop_token_ids=[stop_id]))[0].outputs[0]
     assert out.token_ids == full[:full.index(stop_id) + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    # the stop token's text is left out, unless asked for (as vLLM does)
+    assert out.text == engine.tokenizer.decode(out.token_ids[:-1])
+    kept = engine.generate(["def add"], SamplingParams(
+        max_tokens=20, temperature=0.0, stop_token_ids=[stop_id],
+        include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == engine.tokenizer.decode(out.token_ids) != out.text
     held = engine.generate(["def add"], SamplingParams(
         max_tokens=20, temperature=0.0, stop_token_ids=[stop_id], min_tokens=10))[0].outputs[0]
     assert len(held.token_ids) >= 10 and stop_id not in held.token_ids[:9]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 import structlog
 
@@ -48,6 +49,10 @@ def completion(client, **kw):
 def test_models_health_openapi(server, client):
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny"] and models[0].object == "model"
+    assert client.models.retrieve("tiny") == models[0]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("other/model")
+    assert missing.value.body["code"] == "model_not_found" and "other/model" in str(missing.value)
     assert server.http("GET", "/health")[:1] == (200,)
     status, _, body = server.http("GET", "/openapi.json")
     doc = json.loads(body)
@@ -83,6 +88,11 @@ def test_completion_n_seed_and_sampling_fields(client):
     assert [c.text for c in first.choices] == [c.text for c in again.choices]
     assert len({c.text for c in first.choices}) > 1
     assert first.usage.completion_tokens == 30
+    # any signed 64-bit seed, as vLLM takes (clients hash into one)
+    for seed in (-1, -2**63, 2**63 - 1):
+        kw["seed"] = seed
+        first, again = completion(client, **kw), completion(client, **kw)
+        assert [c.text for c in first.choices] == [c.text for c in again.choices]
     vllm = completion(client, temperature=0.8, seed=1, max_tokens=8,
                       extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2,
                                   "min_tokens": 8, "ignore_eos": True})

@@ -60,6 +60,9 @@ MALFORMED = [
     ("POST", CHAT, chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages[0].role"),
     ("POST", CHAT, chat(logprobs=3), 400, "logprobs"),
     ("POST", CHAT, chat(seed="x"), 400, "seed"),
+    ("POST", CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
+    ("POST", CMPL, cmpl(stream_options={"include_usage": True}, stream=False), 400,
+     "stream_options"),
     # out of range
     ("POST", CMPL, cmpl(max_tokens=-1), 400, "max_tokens"),
     ("POST", CMPL, cmpl(max_tokens=0), 400, "max_tokens"),
@@ -73,7 +76,7 @@ MALFORMED = [
     ("POST", CMPL, cmpl(top_k=-2), 400, "top_k"),
     ("POST", CMPL, cmpl(min_p=1.5), 400, "min_p"),
     ("POST", CMPL, cmpl(repetition_penalty=0), 400, "repetition_penalty"),
-    ("POST", CMPL, cmpl(seed=-1), 400, "seed"),
+    ("POST", CMPL, cmpl(seed=2**63), 400, "seed"),
     ("POST", CMPL, cmpl(min_tokens=9, max_tokens=4), 400, "min_tokens"),
     ("POST", CMPL, cmpl(stop_token_ids=[-1]), 400, "stop_token_ids[0]"),
     ("POST", CMPL, cmpl(prompt=[99999]), 400, "prompt"),

@@ -101,6 +101,7 @@ def test_models_list_the_adapters_with_their_parent(server, client, dirs):
     sql = models["sql"].model_dump()
     assert sql["parent"] == "tiny" and sql["root"] == os.path.realpath(dirs["allowed"] / "qv")
     assert models["tiny"].model_dump()["parent"] is None
+    assert client.models.retrieve("sql") == models["sql"]  # GET /v1/models/{id}
     doc = json.loads(server.http("GET", "/openapi.json")[2])
     assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= set(doc["paths"])
     schemas = doc["components"]["schemas"]
