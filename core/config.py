@@ -298,9 +298,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
         tree = tomllib.loads(Path(path).read_text()) if path is not None else {}
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"{source}: {e}") from None
-    items = overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides)
+    items = list(overrides.items() if isinstance(overrides, dict)
+                 else map(parse_override, overrides))
     for key, value in items:
         _set_dotted(tree, key, value)
+    if items:  # a bad value may come from either
+        source += " with the overrides " + ", ".join(key for key, _ in items)
     try:
         return msgspec.convert(tree, Config)
     except msgspec.ValidationError as e:

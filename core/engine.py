@@ -137,6 +137,9 @@ class Engine:
 
     def _build_proposer(self) -> Proposer | None:
         spec = self.config.speculative
+        if spec.prompt_lookup and spec.method in ("", "ngram"):
+            log.warning("[speculative] prompt_lookup does nothing with method %r: it puts "
+                        "prompt lookup before another method (mtp)", spec.method)
         if not spec.method:
             return None
         build = self.plugins.proposers.get(spec.method)

@@ -121,16 +121,27 @@ def chat_prompt(app: web.Application, messages: list[ChatMessage], *,
 
 
 def check_fits(app: web.Application, prompt_ids: list[int], max_tokens: int | None,
-               param: str) -> None:
+               param: str, max_tokens_param: str = "max_tokens") -> None:
+    """A 400 when the prompt (the request's field ``param``) and ``max_tokens`` (sent as
+    ``max_tokens_param``) do not fit the context: never a silent truncation."""
     limit = app[ASYNC_ENGINE].engine.max_model_len
     if len(prompt_ids) >= limit:
         raise bad_request(f"`{param}` is {len(prompt_ids)} tokens; this model's context is "
                           f"{limit} tokens, leaving no room to generate", param=param,
                           code="context_length_exceeded")
     if max_tokens is not None and len(prompt_ids) + max_tokens > limit:
-        raise bad_request(f"`{param}` ({len(prompt_ids)} tokens) + `max_tokens` ({max_tokens}) "
-                          f"exceeds this model's context of {limit} tokens",
-                          param="max_tokens", code="context_length_exceeded")
+        raise bad_request(f"`{param}` ({len(prompt_ids)} tokens) + `{max_tokens_param}` "
+                          f"({max_tokens}) exceeds this model's context of {limit} tokens",
+                          param=max_tokens_param, code="context_length_exceeded")
+
+
+def check_beams(app: web.Application, params: SamplingParams) -> None:
+    """A beam search needs a seat for each beam: more beams than the engine runs at once
+    could never start."""
+    seats = app[ASYNC_ENGINE].engine.config.engine.max_num_seqs
+    if params.num_beams > seats:
+        raise bad_request(f"`num_beams` is {params.num_beams}; this server runs at most "
+                          f"{seats} sequences at once (engine.max_num_seqs)", param="num_beams")
 
 
 def beam_fields(req) -> dict:

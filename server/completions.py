@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from heron.server.admission import (check_fits, check_request, encode_prompts,
+from heron.server.admission import (check_beams, check_fits, check_request, encode_prompts,
                                     sampling_params)
 from heron.server.appkeys import ASYNC_ENGINE, TOKEN_TEXTS
 from heron.server.errors import bad_request, decode_body
@@ -46,6 +46,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             check_fits(request.app, ids, max_tokens, "prompt")
     params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
                              prompt_logprobs=req.logprobs if req.echo else None)
+    check_beams(request.app, params)
     view = _View(request, req, texts, prompts, score_only)
     async with Generation(request, "cmpl", prompts, params, req.cache_salt,
                           adapter=adapter, encoder_prompts=sources, scoring=score_only) as gen:

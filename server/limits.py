@@ -18,8 +18,7 @@ _LOGPROB_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs")
 
 def check_limits(limits: ServerConfig, req: SamplingFields) -> None:
     """Refuse the first field of ``req`` past its configured limit."""
-    if req.n > limits.max_n:
-        raise _over("n", f"is {req.n}", limits.max_n, "max_n")
+    check_n(limits, req.n)
     for name in _LOGPROB_FIELDS:
         value = getattr(req, name, None)
         if type(value) is int and value > limits.max_logprobs:
@@ -33,6 +32,11 @@ def check_limits(limits: ServerConfig, req: SamplingFields) -> None:
             where = "stop" if isinstance(req.stop, str) else f"stop[{i}]"
             raise _over(where, f"is {len(stop)} characters", limits.max_stop_length,
                         "max_stop_length", unit=" characters")
+
+
+def check_n(limits: ServerConfig, n: int) -> None:
+    if n > limits.max_n:
+        raise _over("n", f"is {n}", limits.max_n, "max_n")
 
 
 def _over(param: str, what: str, limit: int, key: str, unit: str = "") -> APIError:

@@ -56,7 +56,7 @@ class Metrics:
                                          registry=r)
         self.requests_finished = Counter("heron_requests_finished", "Finished requests by "
                                          "finish reason", ["finish_reason"], registry=r)
-        # tenant: a `server.tenants` name, "key-<digest>" for an `api_keys` key, "" without keys
+        # tenant: a `server.tenants` name, "api_keys[i]" for an `api_keys` key, "" without keys
         self.tenant_requests = Counter("heron_tenant_requests_finished", "Finished requests "
                                        "by tenant and finish reason", ["tenant", "finish_reason"],
                                        registry=r)

@@ -10,7 +10,6 @@ its log line, so that tenants never share cached KV nor see each other's traffic
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import re
 import time
@@ -42,9 +41,10 @@ def tenant_of(request: web.Request) -> str:
 
 def key_tenants(server: ServerConfig) -> list[tuple[bytes, str]]:
     """(key, tenant) for every accepted key: a ``server.tenants`` key belongs to its named
-    tenant; an ``api_keys`` key is a tenant of its own, named by a digest of the key."""
-    pairs = [(k.encode(), "key-" + hashlib.sha256(k.encode()).hexdigest()[:12])
-             for k in server.api_keys]
+    tenant; an ``api_keys`` key is a tenant of its own, named by its place in the list,
+    ``api_keys[i]`` (nothing derived from the key: names reach /metrics, which is open; no
+    tenant name has brackets)."""
+    pairs = [(k.encode(), f"api_keys[{i}]") for i, k in enumerate(server.api_keys)]
     return pairs + [(k.encode(), name) for name, keys in server.tenants.items() for k in keys]
 
 

@@ -104,16 +104,19 @@ class CompletionRequest(SamplingFields, kw_only=True):
 class TranslationRequest(_Body, kw_only=True):
     """/v1/translations: ``input`` is one source text or several; ``src_lang`` and
     ``tgt_lang`` one code for all or one per input (unset: ``model.src_lang`` /
-    ``model.tgt_lang``). Greedy unless ``temperature`` is set."""
+    ``model.tgt_lang``). Greedy unless ``temperature`` is set; ``n`` translations of each
+    input (with beams, the ``n`` best hypotheses: ``n`` <= ``num_beams``)."""
 
     model: str | None = None
     input: str | list[str]
     src_lang: LanguageCodes | None = None
     tgt_lang: LanguageCodes | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
     num_beams: NumBeams | None = None
     length_penalty: float | None = None
     early_stopping: EarlyStopping | None = None
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    min_tokens: NonNegInt = 0
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 0.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Meta(ge=-1)] = 0

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from heron.core.config import ConfigError, ModelConfig
 from heron.core.family import ModelRunner
-from heron.server.admission import check_fits, tokenizer_of
+from heron.server.admission import tokenizer_of
 from heron.server.appkeys import ASYNC_ENGINE, CONFIG, MODEL_NAME
 from heron.server.errors import bad_request
 from heron.server.protocol import CompletionRequest
@@ -86,6 +86,12 @@ def translation_jobs(app: web.Application, texts: list[str], param: str,
     sources_lang = _codes(facts, "src_lang", src_lang, defaults.src_lang, len(texts), param)
     targets_lang = _codes(facts, "tgt_lang", tgt_lang, defaults.tgt_lang, len(texts), param)
     tokenizer = tokenizer_of(app)
+    # the decoder's context holds its start and language tokens, then the translation
+    room = app[ASYNC_ENGINE].engine.max_model_len - 2
+    if max_tokens is not None and max_tokens > room:
+        raise bad_request(f"`max_tokens` is {max_tokens}; this model translates into at most "
+                          f"{room} tokens (model.max_model_len less the decoder's start and "
+                          "language tokens)", param="max_tokens", code="context_length_exceeded")
     jobs = TranslationJobs([], [])
     for i, (text, src, tgt) in enumerate(zip(texts, sources_lang, targets_lang)):
         where = param if len(texts) == 1 else f"{param}[{i}]"
@@ -95,10 +101,8 @@ def translation_jobs(app: web.Application, texts: list[str], param: str,
             raise bad_request(f"`{where}` is {len(source)} tokens; this model translates at most "
                               f"{runner.max_encoder_len}", param=where,
                               code="context_length_exceeded")
-        prompt = [facts["decoder_start_token_id"], tgt]
-        check_fits(app, prompt, max_tokens, where)
         jobs.sources.append(source)
-        jobs.prompts.append(prompt)
+        jobs.prompts.append([facts["decoder_start_token_id"], tgt])
     return jobs
 
 

@@ -65,3 +65,6 @@ def test_overrides_are_toml_literals_or_bare_strings():
     assert cfg.model.dtype == "float16"
     with pytest.raises(ConfigError, match="section.key=value"):
         load_config(None, ["engine.block_size"])
+    with pytest.raises(ConfigError) as e:  # the message names where a bad value may be
+        load_config(None, ["speculative.num_speculative_tokens=0", "engine.block_size=8"])
+    assert "with the overrides speculative.num_speculative_tokens, engine.block_size" in str(e.value)

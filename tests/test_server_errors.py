@@ -167,7 +167,11 @@ def test_openai_client_sees_typed_errors(server):
     assert e.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=USER, max_tokens=600)
-    assert e.value.code == "context_length_exceeded"
+    assert e.value.code == "context_length_exceeded" and e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:  # named as sent
+        client.chat.completions.create(model="tiny", messages=USER, max_completion_tokens=600)
+    assert e.value.body["param"] == "max_completion_tokens"
+    assert "`max_completion_tokens` (600)" in e.value.message
 
 
 def test_body_over_the_limit_is_413(server):

@@ -161,7 +161,12 @@ def test_sampling_with_a_seed_repeats(server):
     ({"src_lang": ENG, "tgt_lang": FRA, "num_beams": 0}, 400, "num_beams", "num_beams"),
     ({"src_lang": ENG, "tgt_lang": FRA, "input": []}, 400, "input", "must not be empty"),
     ({"src_lang": ENG, "tgt_lang": FRA, "input": "ka " * 200}, 400, "input", "at most 128"),
-    ({"src_lang": ENG, "tgt_lang": FRA, "max_tokens": 500}, 400, "max_tokens", "context"),
+    ({"src_lang": ENG, "tgt_lang": FRA, "max_tokens": 500}, 400, "max_tokens",
+     "translates into at most 126 tokens"),
+    ({"src_lang": ENG, "tgt_lang": FRA, "num_beams": 64}, 400, "num_beams",
+     "engine.max_num_seqs"),
+    ({"src_lang": ENG, "tgt_lang": FRA, "n": 99}, 400, "n", "server.max_n"),
+    ({"src_lang": ENG, "tgt_lang": FRA, "n": 3, "num_beams": 2}, 400, "n", "num_beams"),
     ({"src_lang": ENG, "tgt_lang": FRA, "model": "other"}, 404, "model", "`other`"),
 ])
 def test_translation_errors_name_the_field(server, body, status, param, words):
@@ -262,5 +267,15 @@ def test_beam_search_over_both_routes_matches_generate(server, beam_reference):
         extra_body={"src_lang": ENG, "tgt_lang": FRA, "num_beams": 3, "early_stopping": True})
     assert [c.text for c in out.choices] == beam_reference(TEXTS[2], ENG, FRA, n=2,
                                                            num_beams=3, early_stopping=True)
+    # n best hypotheses of each input (input-major), and min_tokens, on /v1/translations
+    beams = {"num_beams": 3, "length_penalty": 1.0, "early_stopping": True}
+    status, body = translate(server, input=TEXTS[:2], src_lang=ENG, tgt_lang=FRA, n=2,
+                             min_tokens=MAX_TOKENS - 2, **beams)
+    assert status == 200, body
+    want = [t for text in TEXTS[:2] for t in beam_reference(
+        text, ENG, FRA, n=2, min_new_tokens=MAX_TOKENS - 1, **beams)]  # + the forced code
+    assert [(t["index"], t["text"]) for t in body["translations"]] == list(enumerate(want))
+    free = translate(server, input=TEXTS[:2], src_lang=ENG, tgt_lang=FRA, n=2, **beams)[1]
+    assert [t["text"] for t in free["translations"]] != want  # min_tokens mattered
     metrics = server.wait_for(lambda m: m["heron_requests_running"] == 0)
     assert metrics["heron_kv_blocks_in_use"] == metrics["heron_state_slots_in_use"] == 0

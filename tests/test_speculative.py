@@ -300,6 +300,12 @@ def test_speculation_is_refused_where_it_cannot_run(tiny, tmp_path):
         make_engine(tmp_path, **{"speculative.method": "mtp"})
 
 
+@pytest.mark.parametrize("method", ["", "ngram"])
+def test_prompt_lookup_without_another_method_is_flagged(tiny, method, caplog):
+    make_engine(tiny[0], **{"speculative.method": method, "speculative.prompt_lookup": True})
+    assert f"prompt_lookup does nothing with method {method!r}" in caplog.text
+
+
 def test_siblings_of_a_request_with_n_choices_keep_their_streams(tiny):
     path, _ = tiny
     params = [SamplingParams(n=3, max_tokens=16, temperature=1.0, top_k=5, seed=7 + i,
