@@ -46,7 +46,12 @@ class QueueFullError(RuntimeError):
 
 
 class EngineStoppedError(RuntimeError):
-    """The engine task is not running (shutting down or crashed; HTTP 503)."""
+    """The engine task is not running (shutting down or crashed; HTTP 503). ``draining``:
+    it is shutting down on purpose."""
+
+    def __init__(self, message: str, draining: bool = False) -> None:
+        super().__init__(message)
+        self.draining = draining
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +94,8 @@ class EngineStats:
     num_kv_blocks_cached: int = 0
     num_requests_swapped: int = 0
     num_state_slots_in_use: int = 0
+    num_state_snapshots: int = 0
+    num_host_kv_blocks_in_use: int = 0
     num_adapters_in_use: int = 0
     num_prompt_tokens_waiting: int = 0  # of the requests counted in num_requests_waiting
     # cumulative counts
@@ -250,7 +257,7 @@ class AsyncEngine:
         ``encoder_prompt``: an encoder-decoder model's source (`Engine.add_request`)."""
         if not self.is_running:
             raise EngineStoppedError("the server is shutting down" if self.draining
-                                     else "the engine is not running")
+                                     else "the engine is not running", self.draining)
         if request_id in self._pending or request_id in self._sinks:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.stats.num_requests_waiting + len(self._pending) >= self.max_waiting_requests:
@@ -404,6 +411,8 @@ class AsyncEngine:
             num_kv_blocks_cached=cache.num_cached_blocks if cache is not None else 0,
             num_requests_swapped=len(swapped),
             num_state_slots_in_use=engine.num_state_slots_in_use,
+            num_state_snapshots=engine.num_state_snapshots,
+            num_host_kv_blocks_in_use=engine.num_host_blocks_in_use,
             num_adapters_in_use=engine.num_adapters_in_use,
             num_prompt_tokens_waiting=sum(waiting_tokens.values()),
             num_preemptions=sched.num_preemptions,

@@ -59,6 +59,11 @@ class Engine:
         spec = self.runner.cache_spec()
         engine = config.engine
         self.num_kv_blocks = num_kv_blocks_for(spec, engine, self.dtype, self.max_model_len)
+        if spec.kv is not None and self.kv_capacity < self.max_model_len:
+            log.warning("the KV cache holds %d tokens (engine.num_kv_blocks %d x "
+                        "engine.block_size %d), fewer than max_model_len %d: a request that "
+                        "could grow longer is refused", self.kv_capacity, self.num_kv_blocks,
+                        engine.block_size, self.max_model_len)
         self.cache = allocate_cache(spec, engine, self.num_kv_blocks, engine.max_num_seqs,
                                     self.dtype, self.device)
         self.runner.bind_cache(self.cache)
@@ -324,12 +329,17 @@ class Engine:
                              f"the model's context of {self.max_model_len} tokens")
         total = n + (params.max_tokens or self.max_model_len - n)
         engine = self.config.engine
-        if -(-total // engine.block_size) > self.num_kv_blocks:
+        if total > self.kv_capacity:
             raise ValueError(f"a sequence of {total} tokens needs more KV blocks than the pool "
                              f"holds ({self.num_kv_blocks} of {engine.block_size} tokens)")
         if not engine.chunked_prefill and total > engine.max_num_batched_tokens:
             raise ValueError(f"without chunked prefill, prompt + max_tokens ({total}) must fit "
                              f"engine.max_num_batched_tokens ({engine.max_num_batched_tokens})")
+
+    @property
+    def kv_capacity(self) -> int:
+        """The most tokens one sequence's KV can take: the whole pool."""
+        return self.num_kv_blocks * self.config.engine.block_size
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free everything it holds. Unknown ids are ignored."""
@@ -356,6 +366,18 @@ class Engine:
     def num_state_slots_in_use(self) -> int:
         """Per-sequence state slots (SSM layers) held by live sequences."""
         return self.states.slots.num_used if self.states is not None else 0
+
+    @property
+    def num_host_blocks_in_use(self) -> int:
+        """Host KV blocks holding swapped-out sequences (preemption by swap)."""
+        host = self.scheduler.host_pool
+        return host.num_used_blocks if host is not None else 0
+
+    @property
+    def num_state_snapshots(self) -> int:
+        """State snapshots (SSM) held for the prefix cache or pending on live sequences."""
+        pool = self.states.snapshot_pool if self.states is not None else None
+        return pool.num_used if pool is not None else 0
 
     @property
     def num_adapters_in_use(self) -> int:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from heron.core.config import ModelConfig
 from heron.core.family import LoadedModel
@@ -36,9 +37,32 @@ def detect_architecture(path: Path) -> dict[str, str]:
     return {"architecture": architectures[0]}
 
 
+class ModelLoadError(ValueError):
+    """A model's files could not be read: the message names the path and what is wrong."""
+
+
 def load_model(model: ModelConfig, plugins: PluginManager, device: torch.device,
                dtype: torch.dtype) -> LoadedModel:
     path = resolve_model_path(model)
-    spec = (plugins.family_for(name=model.family) if model.family
-            else plugins.family_for(**detect_architecture(path)))
-    return load_family(spec)(str(path), model, device, dtype)
+    try:
+        spec = (plugins.family_for(name=model.family) if model.family
+                else plugins.family_for(**detect_architecture(path)))
+        return load_family(spec)(str(path), model, device, dtype)
+    except ModelLoadError:
+        raise
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: a JSON file is not valid JSON ({e})") from e
+    except SafetensorError as e:
+        raise ModelLoadError(f"{path}: a safetensors file is unreadable ({e})") from e
+
+
+def read_gguf(path: str | Path):
+    """A `gguf.GGUFReader` of ``path``; a file cut short fails here with a ModelLoadError,
+    not with what numpy says when a tensor's bytes are missing."""
+    import gguf
+    path = Path(path)
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, IndexError) as e:
+        raise ModelLoadError(f"{path}: not a complete GGUF file ({path.stat().st_size} bytes; "
+                             f"{e})") from e

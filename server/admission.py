@@ -96,12 +96,19 @@ def encode_prompts(app: web.Application,
     return texts, ids
 
 
+_CONTENT_REQUIRED = ("system", "developer", "user", "tool")  # as OpenAI's API
+
+
 def chat_prompt(app: web.Application, messages: list[ChatMessage], *,
-                add_generation_prompt: bool = True,
+                add_generation_prompt: bool = True, add_special_tokens: bool = False,
                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Token ids of ``messages`` rendered with the model's chat template."""
+    """Token ids of ``messages`` rendered with the model's chat template (which writes any
+    BOS itself; ``add_special_tokens`` adds the tokenizer's too, as vLLM's /tokenize)."""
     plain = []
-    for m in messages:
+    for i, m in enumerate(messages):
+        if m.content is None and m.role in _CONTENT_REQUIRED:
+            raise bad_request(f"`messages[{i}].content` is required in a {m.role} message",
+                              param=f"messages[{i}].content")
         content = m.content if not isinstance(m.content, list) else [
             {"type": "text", "text": part.text} for part in m.content]
         role = "system" if m.role == "developer" else m.role  # templates predate "developer"
@@ -111,10 +118,11 @@ def chat_prompt(app: web.Application, messages: list[ChatMessage], *,
     if clash := sorted(reserved & set(template_kwargs or ())):
         raise bad_request(f"`chat_template_kwargs` may not set {', '.join(clash)}",
                           param="chat_template_kwargs")
+    tokenizer = tokenizer_of(app)
     try:
-        return tokenizer_of(app).apply_chat_template(
-            plain, add_generation_prompt=add_generation_prompt, tokenize=True,
-            **(template_kwargs or {}))
+        text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
+                                             **(template_kwargs or {}))
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
     except ChatTemplateError as e:
         raise bad_request(f"the chat template refused the messages: {e}",
                           param="messages") from None
@@ -133,6 +141,19 @@ def check_fits(app: web.Application, prompt_ids: list[int], max_tokens: int | No
         raise bad_request(f"`{param}` ({len(prompt_ids)} tokens) + `{max_tokens_param}` "
                           f"({max_tokens}) exceeds this model's context of {limit} tokens",
                           param=max_tokens_param, code="context_length_exceeded")
+    capacity = app[ASYNC_ENGINE].engine.kv_capacity  # below the context when configured so
+    room = capacity - len(prompt_ids)
+    if room < 1:
+        raise bad_request(f"`{param}` is {len(prompt_ids)} tokens; this server's KV cache "
+                          f"holds {capacity} (engine.num_kv_blocks)", param=param,
+                          code="context_length_exceeded")
+    if (max_tokens or limit - len(prompt_ids)) > room:  # unset: up to the context's end
+        sent = (f"`{max_tokens_param}` ({max_tokens})" if max_tokens
+                else f"no `{max_tokens_param}` (so up to the context's end)")
+        raise bad_request(f"`{param}` ({len(prompt_ids)} tokens) with {sent} may outgrow this "
+                          f"server's KV cache of {capacity} tokens (engine.num_kv_blocks); "
+                          f"send `{max_tokens_param}` <= {room}", param=max_tokens_param,
+                          code="context_length_exceeded")
 
 
 def check_beams(app: web.Application, params: SamplingParams) -> None:

@@ -60,15 +60,25 @@ def cmd_config(args) -> int:
     return 0
 
 
+class UsageError(Exception):
+    """A bad argument: reported in one line, exit status 2 (as argparse's own)."""
+
+
 def cmd_generate(args) -> int:
     from heron.core.engine import Engine
     from heron.core.sampling_params import SamplingParams
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=args.seed)
+    try:
+        params.validate()
+    except ValueError as e:
+        raise UsageError(str(e).replace("max_tokens", "--max-tokens")) from None
+    if not args.prompt:
+        raise UsageError("--prompt must not be empty")
     engine = Engine(_config(args))
     prompt = args.prompt
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            seed=args.seed)
     engine.add_request("cli", prompt, params)
     while engine.has_unfinished():
         for out in engine.step():
@@ -205,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"heron: config error: {e}", file=sys.stderr)
         return 2
+    except UsageError as e:
+        print(f"heron {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as e:  # a model that cannot be read, a bad training setting
+        print(f"heron: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -256,6 +256,8 @@ def _admission_error(e: BaseException, metrics) -> BaseException:
                         code="queue_full", headers={"Retry-After": "1"})
     if isinstance(e, EngineStoppedError):
         metrics.rejected.labels("503").inc()
+        if e.draining:  # another replica, or this one restarted, can take it: as /health
+            return APIError(503, str(e), code="shutting_down", headers={"Retry-After": "1"})
         return APIError(503, str(e), code="engine_stopped")
     if isinstance(e, ValueError):
         metrics.rejected.labels("400").inc()

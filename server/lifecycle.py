@@ -31,7 +31,11 @@ async def serve(config: Config) -> None:
     await runner.setup()  # loads the model
     try:
         site = web.TCPSite(runner, config.server.host, config.server.port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:
+            raise OSError(f"cannot listen on {config.server.host}:{config.server.port} "
+                          f"(server.host, server.port): {e.strerror or e}") from e
         log.info("listening", host=config.server.host, port=runner.addresses[0][1])
         signalled = asyncio.Event()
         loop = asyncio.get_running_loop()

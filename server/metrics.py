@@ -44,6 +44,10 @@ class Metrics:
              "num_kv_blocks_cached"),
             ("heron_state_slots_in_use", "Per-sequence state slots (SSM layers) held by live "
              "requests", "num_state_slots_in_use"),
+            ("heron_state_snapshots", "SSM state snapshots held for the prefix cache",
+             "num_state_snapshots"),
+            ("heron_host_kv_blocks_in_use", "Host KV blocks holding swapped-out sequences",
+             "num_host_kv_blocks_in_use"),
             ("heron_lora_adapters_in_use", "LoRA adapters live requests reference",
              "num_adapters_in_use"),
         ):

@@ -8,6 +8,7 @@ import importlib.metadata
 import msgspec
 
 from heron.server import protocol as req
+from heron.server.middleware import OPEN_PATHS
 from heron.server import responses as res
 
 _REF = "#/components/schemas/{name}"
@@ -68,13 +69,17 @@ def openapi_document() -> bytes:
         if "{model}" in path:
             op["parameters"] = [{"name": "model", "in": "path", "required": True,
                                  "schema": {"type": "string"}}]
+        if path in OPEN_PATHS:
+            op["security"] = []
         paths.setdefault(path, {})[method] = op
-    paths["/metrics"] = {"get": {"summary": "Prometheus metrics", "responses": {
+    paths["/metrics"] = {"get": {"summary": "Prometheus metrics", "security": [], "responses": {
         "200": {"description": "text exposition format",
                 "content": {"text/plain": {"schema": {"type": "string"}}}}}}}
     doc = {"openapi": "3.1.0",
            "info": {"title": "heron", "version": _version(),
                     "description": "OpenAI-compatible LLM server"},
+           # with server.api_keys or server.tenants set, every other route needs a key
+           "security": [{"bearer": []}],
            "paths": paths, "components": {"schemas": components,
                                           "securitySchemes": {"bearer": {"type": "http",
                                                                          "scheme": "bearer"}}}}

@@ -204,8 +204,9 @@ class TokenizeRequest(_Body, kw_only=True):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    # unset: true for a prompt, false for messages (their template writes any BOS)
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
 
 

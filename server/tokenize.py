@@ -17,14 +17,15 @@ async def tokenize(request: web.Request) -> web.Response:
     check_model(request.app, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("send exactly one of `prompt` and `messages`", param="prompt")
+    special = req.add_special_tokens
     if req.prompt is not None:
         tokens = tokenizer_of(request.app).encode(req.prompt,
-                                                  add_special_tokens=req.add_special_tokens)
+                                                  add_special_tokens=special is not False)
     else:
         if (name := unsupported_part(req.messages)) is not None:
             raise bad_request(f"`{name}` is not supported by this server", param=name,
                               code="unsupported_field")
-        tokens = chat_prompt(request.app, req.messages,
+        tokens = chat_prompt(request.app, req.messages, add_special_tokens=bool(special),
                              add_generation_prompt=req.add_generation_prompt)
     body = TokenizeResponse(count=len(tokens), tokens=tokens,
                             max_model_len=request.app[ASYNC_ENGINE].engine.max_model_len)

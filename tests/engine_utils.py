@@ -46,8 +46,7 @@ def assert_no_leaks(engine: Engine) -> None:
     assert not engine.has_unfinished() and engine.num_requests == 0
     assert engine.num_blocks_in_use == 0
     assert pool.num_used_blocks == pool.num_evictable_blocks == cached
-    host = engine.scheduler.host_pool
-    assert host is None or host.num_used_blocks == 0
+    assert engine.num_host_blocks_in_use == 0
 
 
 def run_one(engine: Engine, prompt, params, **kw):

@@ -95,6 +95,45 @@ def test_serve_rejects_bad_overrides_and_missing_models(capsys, tmp_path):
     assert code == 2 and "--port" in err
 
 
+def test_user_errors_are_one_line_not_tracebacks(capsys, tmp_path, default_gguf_path):
+    """Bad arguments exit 2, unreadable models 1; either way one line that names what is
+    wrong (the file, the flag), before any long work starts."""
+    code, _, err = run_main(capsys, "generate", "--prompt", "hi", "--max-tokens", "0")
+    assert code == 2 and err.strip() == "heron generate: error: --max-tokens is out of range: 0"
+    code, _, err = run_main(capsys, "generate", "--prompt", "", "--max-tokens", "3")
+    assert code == 2 and "--prompt must not be empty" in err
+    model = tmp_path / "tiny"
+    build_tiny("llama", model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # cut short
+    for argv in (["generate", str(model), "--prompt", "hi"], ["serve", str(model), "--port", "0"]):
+        code, _, err = run_main(capsys, *argv)
+        assert code == 1 and "safetensors file is unreadable" in err and str(model) in err
+    (model / "config.json").write_text("{not json")
+    code, _, err = run_main(capsys, "generate", str(model), "--prompt", "hi")
+    assert code == 1 and "not valid JSON" in err
+    cut = tmp_path / "cut.gguf"
+    with open(default_gguf_path, "rb") as f:
+        cut.write_bytes(f.read(5_000_000))
+    code, _, err = run_main(capsys, "generate", str(cut), "--prompt", "hi")
+    assert code == 1 and err.startswith(f"heron: error: {cut}: not a complete GGUF file")
+    code, _, err = run_main(capsys, "train-mtp", str(cut), "--out", str(tmp_path))
+    assert code == 1 and "is a directory" in err
+    code, _, err = run_main(capsys, "train-mtp", str(cut), "--out", "x", "--prompts", "0")
+    assert code == 1 and "num_prompts must be >= 1" in err
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_named(capsys, tmp_path):
+    build_tiny("llama", tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, _, err = run_main(capsys, "serve", str(tmp_path), "--port", str(port))
+    assert code == 1 and f"cannot listen on 127.0.0.1:{port} (server.host, server.port)" in err
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -207,6 +207,7 @@ def test_32_requests_in_a_few_dozen_blocks_match_an_unconstrained_run(
 
     def observed():
         out = schedule()
+        events["host_blocks"] = max(events.get("host_blocks", 0), engine.num_host_blocks_in_use)
         events["swap_out"] += len(out.swap_out)
         events["swap_in"] += len(out.swap_in)
         events["recompute"] += sum(s.status is SequenceStatus.WAITING for s in out.preempted)
@@ -218,5 +219,6 @@ def test_32_requests_in_a_few_dozen_blocks_match_an_unconstrained_run(
     assert engine.scheduler.num_preemptions > 0
     if mode == "swap":
         assert events["swap_out"] > 0 and events["swap_in"] == events["swap_out"]
+        assert events["host_blocks"] > 0  # what /metrics reports as host KV blocks in use
     assert (events["recompute"] > 0) == (mode == "recompute" or swap_blocks == 12)
     assert_no_leaks(engine)

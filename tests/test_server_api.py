@@ -59,6 +59,8 @@ def test_models_health_openapi(server, client):
     assert status == 200 and doc["openapi"].startswith("3.")
     assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
             "/v1/models", "/health", "/metrics"} <= set(doc["paths"])
+    assert doc["security"] == [{"bearer": []}] and "bearer" in doc["components"]["securitySchemes"]
+    assert doc["paths"]["/health"]["get"]["security"] == []  # open routes say so
     schema = doc["components"]["schemas"]["CompletionRequest"]
     assert {"prompt", "max_tokens", "logprobs", "echo", "top_k", "min_p"} <= set(schema["properties"])
 
@@ -225,6 +227,36 @@ def test_tokenize_detokenize(server, tokenizer):
     assert status == 200 and json.loads(body)["prompt"] == PROMPT
 
 
+def test_tokenize_adds_special_tokens_to_messages_only_when_asked(tmp_path):
+    """As vLLM: a prompt gets the tokenizer's BOS unless ``add_special_tokens`` is false;
+    messages, whose template writes its own, only when it is true. Messages follow chat's
+    rules (at least one; a user message needs content)."""
+    build_tiny("llama", tmp_path)
+    settings = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**settings,
+                                                                "add_bos_token": True}))
+    config = server_config(tmp_path, **{"server.served_model_name": "tiny"})
+    with ServerThread(config, Engine(config)) as server:
+        tokenizer = server.async_engine.engine.tokenizer
+        bos = tokenizer.bos_token_id
+
+        def tokens(**body):
+            status, _, answer = server.http("POST", "/tokenize", body)
+            assert status == 200, answer
+            return json.loads(answer)["tokens"]
+
+        assert tokens(prompt="Hello")[0] == bos != tokens(prompt="Hello",
+                                                           add_special_tokens=False)[0]
+        messages = [{"role": "user", "content": "Hello"}]
+        plain = tokens(messages=messages)
+        assert plain == tokenizer.apply_chat_template(messages, tokenize=True)
+        assert tokens(messages=messages, add_special_tokens=True) == [bos, *plain]
+        for body, param in (({"messages": []}, "messages"),
+                            ({"messages": [{"role": "user"}]}, "messages[0].content")):
+            status, _, answer = server.http("POST", "/tokenize", body)
+            assert status == 400 and json.loads(answer)["error"]["param"] == param, answer
+
+
 def test_request_id_is_echoed_and_logged(server, client):
     with structlog.testing.capture_logs() as logs:
         raw = client.completions.with_raw_response.create(
@@ -248,6 +280,7 @@ def test_metrics_count_tokens_and_return_to_idle(server, client):
             == out.usage.prompt_tokens)
     assert after["heron_kv_blocks_in_use"] == 0 and after["heron_requests_waiting"] == 0
     assert after["heron_kv_blocks_total"] == 256
+    assert after["heron_host_kv_blocks_in_use"] == after["heron_state_snapshots"] == 0
     delta = {k: after[k] - before.get(k, 0) for k in ("heron_prefix_cache_hit_tokens_total",
                                                       "heron_prefix_cache_queried_tokens_total")}
     assert delta["heron_prefix_cache_queried_tokens_total"] == out.usage.prompt_tokens

@@ -93,7 +93,7 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(model):
     assert status == 503 and body["error"]["code"] == "shutting_down"
     with pytest.raises(openai.APIStatusError) as refused:
         server.client.completions.create(max_tokens=2, **LONG)
-    assert refused.value.status_code == 503
+    assert refused.value.status_code == 503 and refused.value.code == "shutting_down"
     assert "shutting down" in refused.value.message
     thread.join(120)
     assert "error" not in result

@@ -58,6 +58,7 @@ MALFORMED = [
     ("POST", CHAT, chat(messages="hi"), 400, "messages"),
     ("POST", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content"),
     ("POST", CHAT, chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages[0].role"),
+    ("POST", CHAT, chat(messages=[{"role": "user"}]), 400, "messages[0].content"),
     ("POST", CHAT, chat(logprobs=3), 400, "logprobs"),
     ("POST", CHAT, chat(seed="x"), 400, "seed"),
     ("POST", CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),

@@ -265,3 +265,27 @@ def test_waiting_prompt_tokens_past_the_limit_get_429(model_dir):
             **body, "prompt": list(range(10, 95)), "max_tokens": 2})
         assert status == 200, raw
     slow.restore()
+
+
+# -- a KV cache smaller than the context ----------------------------------------------------
+
+def test_a_kv_cache_below_the_context_is_flagged_and_named(model_dir, caplog):
+    """4 blocks of 16 tokens under a context of 96: the start-up log says so, and a request
+    that could outgrow the cache (no max_tokens: up to the context's end) is a 400 naming
+    `max_tokens` and the room left, not a bare engine error."""
+    config = config_for(model_dir, **{"engine.num_kv_blocks": 4, "engine.block_size": 16})
+    engine = Engine(config)
+    assert "the KV cache holds 64 tokens" in caplog.text
+    with ServerThread(config, engine) as server:
+        client = server.client()
+        prompt = len(engine.tokenizer.apply_chat_template(CHAT["messages"], tokenize=True))
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", **CHAT)
+        assert e.value.body["param"] == "max_tokens"
+        assert e.value.code == "context_length_exceeded"
+        assert f"send `max_tokens` <= {64 - prompt}" in e.value.message
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", max_completion_tokens=64, **CHAT)
+        assert e.value.body["param"] == "max_completion_tokens"
+        out = client.chat.completions.create(model="tiny", max_tokens=64 - prompt, **CHAT)
+        assert out.usage.completion_tokens <= 64 - prompt

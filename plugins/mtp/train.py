@@ -306,6 +306,16 @@ def _generate_copies(engine, num_prompts: int, max_tokens: int, seed: int,
                             max_tokens)
 
 
+def _check_settings(out: Path, **counts: int) -> None:
+    """Refuse bad settings before an hour of work, not after it."""
+    low = {"num_copy_prompts": 0, "draft_vocab": 0}
+    for name, value in counts.items():
+        if value < low.get(name, 1):
+            raise ValueError(f"{name} must be >= {low.get(name, 1)} (got {value})")
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; name the .safetensors file to write")
+
+
 def train_mtp(model_path: Path, out: Path, *, num_prompts: int = 3000,
               max_tokens: int = 96, draft_vocab: int = 4096, epochs: int = 4,
               lr: float = 3e-3, depth: int = 2, batch_size: int = 4,
@@ -318,12 +328,19 @@ def train_mtp(model_path: Path, out: Path, *, num_prompts: int = 3000,
     when it holds those of the same model and settings). With ``init`` (a head this
     recipe wrote) only the copying stage runs, on that head."""
     from heron.core import Engine, load_config
+    from heron.plugins.transformer.model import TransformerModel
 
+    _check_settings(out, num_prompts=num_prompts, max_tokens=max_tokens, epochs=epochs,
+                    depth=depth, batch_size=batch_size, copy_epochs=copy_epochs,
+                    num_copy_prompts=num_copy_prompts, draft_vocab=draft_vocab)
     started = time.perf_counter()
     engine = Engine(load_config(None, {
         "model.path": str(model_path), "model.dtype": "float32", "model.device": "cpu",
         "prefix_cache.enabled": False, "engine.max_num_seqs": max_num_seqs,
         "engine.max_num_batched_tokens": 2048}))
+    if not isinstance(engine.runner.model, TransformerModel):
+        raise ValueError(f"{model_path}: train-mtp trains heads for transformer models; this "
+                         f"one runs on {type(engine.runner).__name__}")
     subjects = list(SUBJECTS)
     random.Random(seed).shuffle(subjects)
     kept, trained_on = subjects[:held_out], subjects[held_out:]

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from heron.core.model_loader import read_gguf
 from heron.core.tokenizer import Tokenizer
 
 __all__ = ["dequantize_tensor", "gguf_config", "load_gguf"]
@@ -171,7 +172,7 @@ def _load_tokenizer(reader: gguf.GGUFReader, path: Path) -> Tokenizer | None:
 def load_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer | None]:
     """Read, dequantize and rename everything in the GGUF file at ``path``."""
     path = Path(path)
-    reader = gguf.GGUFReader(path)
+    reader = read_gguf(path)
     config = gguf_config(reader)
     permuted = _ARCHS[_field(reader, "general.architecture")][2]
     n_heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
