@@ -2,9 +2,9 @@
 
 A drain keeps the listening socket open, so that clients get an answer rather than a
 refused connection: new requests get 503 (/health too, so a load balancer stops sending
-them). Requests already accepted may run for up to ``server.drain_timeout_s``; whatever is
-left then is aborted (its client gets a 503, or an error event on a stream). Then the
-server closes its connections, stops the engine and `serve` returns.
+them). Requests already accepted may run for up to ``server.drain_timeout_s`` (or until a
+second signal); whatever is left then is aborted (its client gets a 503, or an error event
+on a stream). Then the server closes its connections, stops the engine and `serve` returns.
 """
 
 from __future__ import annotations
@@ -45,7 +45,16 @@ async def serve(config: Config) -> None:
         async_engine = app[ASYNC_ENGINE]
         log.info("draining", requests=async_engine.num_requests,
                  timeout_s=config.server.drain_timeout_s)
-        await async_engine.drain(config.server.drain_timeout_s)
+        again = asyncio.Event()  # a second signal cuts the drain short
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, again.set)
+        drain = asyncio.ensure_future(async_engine.drain(config.server.drain_timeout_s))
+        cut = asyncio.ensure_future(again.wait())
+        await asyncio.wait((drain, cut), return_when=asyncio.FIRST_COMPLETED)
+        drain.cancel()
+        cut.cancel()
+        if again.is_set():
+            log.warning("second signal: the drain is cut short")
         if async_engine.num_requests:
             log.warning("aborting requests still running after the drain",
                         requests=async_engine.num_requests)

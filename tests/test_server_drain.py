@@ -119,3 +119,19 @@ def test_requests_past_the_drain_timeout_end_with_an_error(model):
     assert code == 0
     assert any(line["event"] == "aborting requests still running after the drain"
                for line in logs)
+
+
+def test_a_second_signal_cuts_the_drain_short(model):
+    server = Server(model, drain_timeout_s=60)
+    thread, result = server.stream_in_background(max_tokens=2000)
+    start = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert server.get("/health")[1]["error"]["code"] == "shutting_down"
+    server.proc.send_signal(signal.SIGINT)
+    thread.join(60)
+    assert time.monotonic() - start < 20  # not the 60 s drain, nor the 2000 tokens
+    assert "shutting down" in str(result["error"])
+    code, logs = server.stop()
+    assert code == 0
+    assert any(line["event"] == "second signal: the drain is cut short" for line in logs)
