@@ -95,7 +95,14 @@ def test_serve_rejects_bad_overrides_and_missing_models(capsys, tmp_path):
     assert code == 2 and "--port" in err
 
 
-def test_user_errors_are_one_line_not_tracebacks(capsys, tmp_path, default_gguf_path):
+@pytest.fixture
+def keep_logging(monkeypatch):
+    """`serve` configures logging for the process: not for the test session's."""
+    monkeypatch.setattr("heron.server.logs.configure_logging", lambda config: None)
+
+
+def test_user_errors_are_one_line_not_tracebacks(capsys, tmp_path, default_gguf_path,
+                                                 keep_logging):
     """Bad arguments exit 2, unreadable models 1; either way one line that names what is
     wrong (the file, the flag), before any long work starts."""
     code, _, err = run_main(capsys, "generate", "--prompt", "hi", "--max-tokens", "0")
@@ -124,7 +131,7 @@ def test_user_errors_are_one_line_not_tracebacks(capsys, tmp_path, default_gguf_
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_a_port_in_use_is_named(capsys, tmp_path):
+def test_a_port_in_use_is_named(capsys, tmp_path, keep_logging):
     build_tiny("llama", tmp_path)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
