@@ -106,32 +106,23 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(model):
     assert events.index("draining") < events.index("stopped")
 
 
-def test_requests_past_the_drain_timeout_end_with_an_error(model):
-    server = Server(model, drain_timeout_s=0.3)
+@pytest.mark.parametrize("drain_timeout_s, second_signal, event", [
+    (0.3, False, "aborting requests still running after the drain"),
+    (60, True, "second signal: the drain is cut short"),
+], ids=["timeout", "second-signal"])
+def test_a_drain_cut_short_ends_running_requests_with_an_error(model, drain_timeout_s,
+                                                               second_signal, event):
+    server = Server(model, drain_timeout_s=drain_timeout_s)
     thread, result = server.stream_in_background(max_tokens=2000)
     start = time.monotonic()
-    server.proc.send_signal(signal.SIGINT)
+    server.proc.send_signal(signal.SIGTERM if second_signal else signal.SIGINT)
+    if second_signal:
+        time.sleep(0.3)
+        assert server.get("/health")[1]["error"]["code"] == "shutting_down"
+        server.proc.send_signal(signal.SIGINT)
     thread.join(60)
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 20  # not the 60 s drain, nor the 2000 tokens
     assert "shutting down" in str(result["error"])  # an error event, not a silent cut
     assert all(c.choices[0].finish_reason is None for c in result["chunks"] if c.choices)
     code, logs = server.stop()
-    assert code == 0
-    assert any(line["event"] == "aborting requests still running after the drain"
-               for line in logs)
-
-
-def test_a_second_signal_cuts_the_drain_short(model):
-    server = Server(model, drain_timeout_s=60)
-    thread, result = server.stream_in_background(max_tokens=2000)
-    start = time.monotonic()
-    server.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    assert server.get("/health")[1]["error"]["code"] == "shutting_down"
-    server.proc.send_signal(signal.SIGINT)
-    thread.join(60)
-    assert time.monotonic() - start < 20  # not the 60 s drain, nor the 2000 tokens
-    assert "shutting down" in str(result["error"])
-    code, logs = server.stop()
-    assert code == 0
-    assert any(line["event"] == "second signal: the drain is cut short" for line in logs)
+    assert code == 0 and any(line["event"] == event for line in logs)
