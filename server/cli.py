@@ -71,8 +71,9 @@ def cmd_generate(args) -> int:
                             seed=args.seed)
     try:
         params.validate()
-    except ValueError as e:
-        raise UsageError(str(e).replace("max_tokens", "--max-tokens")) from None
+    except ValueError as e:  # "<field> is out of range: ...": name the flag instead
+        field, rest = str(e).split(" ", 1)
+        raise UsageError(f"--{field.replace('_', '-')} {rest}") from None
     if not args.prompt:
         raise UsageError("--prompt must not be empty")
     engine = Engine(_config(args))
