@@ -56,6 +56,10 @@ class Engine:
         info = self.runner.info
         self.max_model_len = min(config.model.max_model_len or info.max_context_len,
                                  info.max_context_len)
+        if (config.model.max_model_len or 0) > info.max_context_len:
+            log.warning("model.max_model_len %d is past what %s takes (%d tokens): using %d",
+                        config.model.max_model_len, info.name, info.max_context_len,
+                        info.max_context_len)
         spec = self.runner.cache_spec()
         engine = config.engine
         self.num_kv_blocks = num_kv_blocks_for(spec, engine, self.dtype, self.max_model_len)

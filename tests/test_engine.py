@@ -160,3 +160,14 @@ def test_preempted_then_finished_requests_return_every_block(model_dir):
     assert engine.scheduler.num_preemptions > 0
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     assert_idle(engine)
+
+
+def test_context_settings_past_the_model_or_the_cache_are_logged(model_dir, caplog):
+    """``max_model_len`` past the model's positions is cut to them, and a KV cache smaller
+    than the context refuses longer requests: both said at start-up, not found later."""
+    engine = make_engine(model_dir, **{"model.max_model_len": 100_000,
+                                       "engine.num_kv_blocks": 4, "engine.block_size": 16})
+    limit = engine.runner.info.max_context_len
+    assert engine.max_model_len == limit
+    assert "model.max_model_len 100000 is past what" in caplog.text
+    assert "the KV cache holds 64 tokens" in caplog.text and f"max_model_len {limit}" in caplog.text
