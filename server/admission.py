@@ -156,6 +156,14 @@ def check_fits(app: web.Application, prompt_ids: list[int], max_tokens: int | No
                           code="context_length_exceeded")
 
 
+def returns_token_ids(app: web.Application, req: SamplingFields) -> bool:
+    """vLLM's ``return_token_ids``; unset, on when the server has no tokenizer (the ids are
+    then the only output)."""
+    if req.return_token_ids is not None:
+        return req.return_token_ids
+    return app[ASYNC_ENGINE].engine.tokenizer is None
+
+
 def check_beams(app: web.Application, params: SamplingParams) -> None:
     """A beam search needs a seat for each beam: more beams than the engine runs at once
     could never start."""

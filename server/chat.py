@@ -8,8 +8,10 @@ ones the new ``content``, the last one its ``finish_reason``; with
 from __future__ import annotations
 
 from aiohttp import web
+from msgspec import UNSET
 
-from heron.server.admission import check_fits, check_request, chat_prompt, sampling_params
+from heron.server.admission import (chat_prompt, check_fits, check_request,
+                                    returns_token_ids, sampling_params)
 from heron.server.appkeys import TOKEN_TEXTS
 from heron.server.errors import bad_request, decode_body
 from heron.server.generation import Generation
@@ -45,15 +47,18 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
             raise error
         text_of = token_id_text if req.return_tokens_as_token_ids else app[TOKEN_TEXTS]
         bytes_of = app[TOKEN_TEXTS].bytes_of
+        ids = returns_token_ids(app, req)
         choices = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.text),
                               logprobs=ChatLogprobs(content=chat_logprobs(c.logprobs, text_of,
                                                                           bytes_of))
                               if req.logprobs else None,
                               finish_reason=api_finish_reason(c.finish_reason),
-                              stop_reason=c.stop_reason)
+                              stop_reason=c.stop_reason,
+                              token_ids=c.token_ids if ids else UNSET)
                    for c in sorted(gen.choices.values(), key=lambda c: c.index)]
         body = ChatCompletionResponse(id=gen.id, created=gen.created, model=gen.model,
-                                      choices=choices, usage=gen.usage())
+                                      choices=choices, usage=gen.usage(),
+                                      prompt_token_ids=prompt_ids if ids else UNSET)
         return web.Response(body=encode(body), content_type="application/json")
 
 
@@ -67,10 +72,14 @@ async def _stream(request: web.Request, req: ChatCompletionRequest,
         return ChatCompletionChunk(id=gen.id, created=gen.created, model=gen.model,
                                    choices=choices)
 
+    token_ids = returns_token_ids(request.app, req)
+
     async def produce() -> ChatCompletionChunk | None:
-        await events.send(chunk([ChatChunkChoice(index=c.index,
-                                                 delta=ChatDelta(role="assistant", content=""))
-                                 for c in sorted(gen.choices.values(), key=lambda c: c.index)]))
+        first = chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant",
+                                                                      content=""))
+                       for c in sorted(gen.choices.values(), key=lambda c: c.index)])
+        first.prompt_token_ids = gen.prompts[0] if token_ids else UNSET
+        await events.send(first)
         async for p, delta in gen.deltas():
             choices = []
             for sd in delta.seqs:
@@ -80,12 +89,13 @@ async def _stream(request: web.Request, req: ChatCompletionRequest,
                 logprobs = (ChatLogprobs(content=chat_logprobs(sd.logprobs or [], text_of,
                                                                bytes_of))
                             if req.logprobs and sd.token_ids else None)
-                if sd.text or logprobs or sd.finish_reason:
+                if sd.text or logprobs or sd.finish_reason or token_ids and sd.token_ids:
                     choices.append(ChatChunkChoice(
                         index=gen.choices[(p, sd.index)].index,
                         delta=ChatDelta(content=sd.text) if sd.text else ChatDelta(),
                         logprobs=logprobs, finish_reason=api_finish_reason(sd.finish_reason),
-                        stop_reason=sd.stop_reason))
+                        stop_reason=sd.stop_reason,
+                        token_ids=sd.token_ids if token_ids else UNSET))
             if choices:
                 await events.send(chunk(choices))
         if req.stream_options is None or not req.stream_options.include_usage:

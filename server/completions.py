@@ -11,9 +11,10 @@ On a translation model ``prompt`` is the source text (a string or strings) and
 from __future__ import annotations
 
 from aiohttp import web
+from msgspec import UNSET
 
 from heron.server.admission import (check_beams, check_fits, check_request, encode_prompts,
-                                    sampling_params)
+                                    returns_token_ids, sampling_params)
 from heron.server.appkeys import ASYNC_ENGINE, TOKEN_TEXTS
 from heron.server.errors import bad_request, decode_body
 from heron.server.generation import Choice, Generation
@@ -70,6 +71,7 @@ class _View:
         self.request, self.req, self.texts, self.prompts = request, req, texts, prompts
         self.score_only = score_only
         self.tokenizer = request.app[ASYNC_ENGINE].engine.tokenizer
+        self.token_ids = returns_token_ids(request.app, req)
         self.text_of = (token_id_text if req.return_tokens_as_token_ids
                         else request.app[TOKEN_TEXTS])
 
@@ -91,9 +93,13 @@ class _View:
                 completion_logprobs(c.logprobs, self.text_of, c.token_ids,
                                     generated_offsets(c.logprobs, len(text)), logprobs)
             text += c.text
+        ids = self.token_ids
         return CompletionChoice(index=c.index, text=text, logprobs=logprobs,
                                 finish_reason=api_finish_reason(c.finish_reason),
-                                stop_reason=None if self.score_only else c.stop_reason)
+                                stop_reason=None if self.score_only else c.stop_reason,
+                                prompt_token_ids=self.prompts[c.prompt_index] if ids else UNSET,
+                                token_ids=([] if self.score_only else c.token_ids) if ids
+                                else UNSET)
 
     @staticmethod
     def _chunk(gen: Generation, choices: list[CompletionChoice]) -> CompletionResponse:
@@ -104,6 +110,7 @@ class _View:
         events = EventStream(self.request)
         n = gen.params.n
         starts = {c.index: 0 for c in gen.choices.values()}  # of the generated text
+        unsent = {c.index for c in gen.choices.values()}  # prompt ids not sent yet
         echoed: set[int] = set()
 
         async def produce() -> CompletionResponse | None:
@@ -112,11 +119,14 @@ class _View:
                                                           or p in gen.prompt_logprobs):
                     echoed.add(p)  # the prompt goes first, in its own event
                     text, logprobs = self._echo(gen, p)
-                    await events.send(self._chunk(gen, [
-                        CompletionChoice(index=p * n + i, text=text, logprobs=logprobs)
-                        for i in range(n)]))
-                    for i in range(n):
-                        starts[p * n + i] = len(text)
+                    echoes = [CompletionChoice(index=p * n + i, text=text, logprobs=logprobs)
+                              for i in range(n)]
+                    for choice in echoes:
+                        starts[choice.index] = len(text)
+                        if self.token_ids:
+                            unsent.discard(choice.index)
+                            choice.prompt_token_ids, choice.token_ids = self.prompts[p], []
+                    await events.send(self._chunk(gen, echoes))
                 chunks = []
                 for sd in delta.seqs:
                     c = gen.choices[(p, sd.index)]
@@ -129,11 +139,16 @@ class _View:
                         logprobs = completion_logprobs(
                             entries, self.text_of, sd.token_ids,
                             generated_offsets(entries, starts[c.index]))
-                    if text or logprobs or sd.finish_reason:
+                    ids = sd.token_ids if self.token_ids and not self.score_only else []
+                    if text or logprobs or ids or sd.finish_reason:
+                        first = self.token_ids and c.index in unsent
+                        unsent.discard(c.index)
                         chunks.append(CompletionChoice(
                             index=c.index, text=text, logprobs=logprobs,
                             finish_reason=api_finish_reason(sd.finish_reason),
-                            stop_reason=None if self.score_only else sd.stop_reason))
+                            stop_reason=None if self.score_only else sd.stop_reason,
+                            prompt_token_ids=self.prompts[p] if first else UNSET,
+                            token_ids=ids if self.token_ids else UNSET))
                 if chunks:
                     await events.send(self._chunk(gen, chunks))
             if self.req.stream_options is None or not self.req.stream_options.include_usage:

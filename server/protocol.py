@@ -59,6 +59,9 @@ class SamplingFields(_Body, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
+    # vLLM's: token ids of prompt and output in the response (unset: when there is no
+    # tokenizer, whose text would be empty)
+    return_token_ids: bool | None = None
     # prefix-cache isolation: only requests with the same salt share cached KV
     cache_salt: Annotated[str, Meta(min_length=1)] | None = None
     # false: no speculative drafts for this request (outputs are the same either way)

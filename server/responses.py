@@ -35,11 +35,16 @@ class CompletionLogprobs(_Out, kw_only=True):
 
 
 class CompletionChoice(_Out, kw_only=True):
+    """``prompt_token_ids`` / ``token_ids``: with ``return_token_ids`` (vLLM's), the prompt
+    (streamed: in the choice's first chunk) and the output tokens (streamed: the new ones)."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class CompletionResponse(_Out, kw_only=True):
@@ -83,6 +88,7 @@ class ChatChoice(_Out, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
 
 
 class ChatCompletionResponse(_Out, kw_only=True):
@@ -92,6 +98,7 @@ class ChatCompletionResponse(_Out, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
 
 
 class ChatDelta(_Out, kw_only=True, omit_defaults=True):
@@ -105,6 +112,7 @@ class ChatChunkChoice(_Out, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # with return_token_ids: the new ones
 
 
 class ChatCompletionChunk(_Out, kw_only=True):
@@ -114,6 +122,7 @@ class ChatCompletionChunk(_Out, kw_only=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids: first chunk
 
 
 # -- /v1/translations --------------------------------------------------------------------

@@ -227,6 +227,47 @@ def test_tokenize_detokenize(server, tokenizer):
     assert status == 200 and json.loads(body)["prompt"] == PROMPT
 
 
+def test_return_token_ids_gives_prompt_and_output_ids(client, tokenizer):
+    """vLLM's ``return_token_ids``: the prompt's and the output's ids, whole and streamed
+    (the prompt's in a choice's first chunk, then each chunk's new ids); absent unless asked
+    for when the server has a tokenizer."""
+    ids = dict(extra_body={"ignore_eos": True, "return_token_ids": True})
+    whole = completion(client, **ids).choices[0]
+    assert whole.prompt_token_ids == tokenizer.encode(PROMPT)
+    assert len(whole.token_ids) == 12 and tokenizer.decode(whole.token_ids) == whole.text
+    chunks = [c.choices[0] for c in completion(client, stream=True, **ids)]
+    assert chunks[0].prompt_token_ids == whole.prompt_token_ids
+    assert not any(c.model_extra.get("prompt_token_ids") for c in chunks[1:])
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+    assert "token_ids" not in completion(client).choices[0].model_extra
+    messages = [{"role": "user", "content": "Hello"}]
+    chat_ids = dict(model="tiny", messages=messages, max_tokens=8, temperature=0.0, **ids)
+    reply = client.chat.completions.create(**chat_ids)
+    assert reply.prompt_token_ids == tokenizer.apply_chat_template(messages, tokenize=True)
+    assert tokenizer.decode(reply.choices[0].token_ids) == reply.choices[0].message.content
+    stream = list(client.chat.completions.create(stream=True, **chat_ids))
+    assert stream[0].prompt_token_ids == reply.prompt_token_ids
+    streamed = [t for c in stream if c.choices for t in c.choices[0].model_extra.get(
+        "token_ids") or []]  # the first chunk (the role) has none
+    assert streamed == reply.choices[0].token_ids
+
+
+def test_without_a_tokenizer_outputs_are_token_ids(tmp_path):
+    """A model directory with no tokenizer takes token ids and answers with them: its text
+    is empty, so `return_token_ids` is on unless the request turns it off."""
+    build_tiny("llama", tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (tmp_path / name).unlink(missing_ok=True)
+    config = server_config(tmp_path, **{"server.served_model_name": "tiny"})
+    with ServerThread(config, Engine(config)) as server:
+        assert server.async_engine.engine.tokenizer is None
+        out = server.client().completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4,
+                                                 temperature=0.0, extra_body={"ignore_eos": True})
+        choice = out.choices[0]
+        assert choice.text == "" and choice.prompt_token_ids == [5, 6, 7]
+        assert len(choice.token_ids) == 4 == out.usage.completion_tokens
+
+
 def test_tokenize_adds_special_tokens_to_messages_only_when_asked(tmp_path):
     """As vLLM: a prompt gets the tokenizer's BOS unless ``add_special_tokens`` is false;
     messages, whose template writes its own, only when it is true. Messages follow chat's
