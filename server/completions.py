@@ -119,13 +119,14 @@ class _View:
                                                           or p in gen.prompt_logprobs):
                     echoed.add(p)  # the prompt goes first, in its own event
                     text, logprobs = self._echo(gen, p)
-                    echoes = [CompletionChoice(index=p * n + i, text=text, logprobs=logprobs)
+                    ids = self.token_ids
+                    echoes = [CompletionChoice(index=p * n + i, text=text, logprobs=logprobs,
+                                               prompt_token_ids=self.prompts[p] if ids else UNSET,
+                                               token_ids=[] if ids else UNSET)
                               for i in range(n)]
                     for choice in echoes:
                         starts[choice.index] = len(text)
-                        if self.token_ids:
-                            unsent.discard(choice.index)
-                            choice.prompt_token_ids, choice.token_ids = self.prompts[p], []
+                        unsent.discard(choice.index)
                     await events.send(self._chunk(gen, echoes))
                 chunks = []
                 for sd in delta.seqs:

@@ -239,6 +239,10 @@ def test_return_token_ids_gives_prompt_and_output_ids(client, tokenizer):
     assert chunks[0].prompt_token_ids == whole.prompt_token_ids
     assert not any(c.model_extra.get("prompt_token_ids") for c in chunks[1:])
     assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+    echoed = [c.choices[0] for c in completion(client, stream=True, echo=True, **ids)]
+    assert echoed[0].text == PROMPT and echoed[0].prompt_token_ids == whole.prompt_token_ids
+    assert not any(c.model_extra.get("prompt_token_ids") for c in echoed[1:])
+    assert [t for c in echoed for t in c.token_ids] == whole.token_ids
     assert "token_ids" not in completion(client).choices[0].model_extra
     messages = [{"role": "user", "content": "Hello"}]
     chat_ids = dict(model="tiny", messages=messages, max_tokens=8, temperature=0.0, **ids)
