@@ -48,8 +48,6 @@ def load_model(model: ModelConfig, plugins: PluginManager, device: torch.device,
         spec = (plugins.family_for(name=model.family) if model.family
                 else plugins.family_for(**detect_architecture(path)))
         return load_family(spec)(str(path), model, device, dtype)
-    except ModelLoadError:
-        raise
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{path}: a JSON file is not valid JSON ({e})") from e
     except SafetensorError as e:

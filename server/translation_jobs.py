@@ -86,12 +86,6 @@ def translation_jobs(app: web.Application, texts: list[str], param: str,
     sources_lang = _codes(facts, "src_lang", src_lang, defaults.src_lang, len(texts), param)
     targets_lang = _codes(facts, "tgt_lang", tgt_lang, defaults.tgt_lang, len(texts), param)
     tokenizer = tokenizer_of(app)
-    # the decoder's context holds its start and language tokens, then the translation
-    room = app[ASYNC_ENGINE].engine.max_model_len - 2
-    if max_tokens is not None and max_tokens > room:
-        raise bad_request(f"`max_tokens` is {max_tokens}; this model translates into at most "
-                          f"{room} tokens (model.max_model_len less the decoder's start and "
-                          "language tokens)", param="max_tokens", code="context_length_exceeded")
     jobs = TranslationJobs([], [])
     for i, (text, src, tgt) in enumerate(zip(texts, sources_lang, targets_lang)):
         where = param if len(texts) == 1 else f"{param}[{i}]"
@@ -103,6 +97,12 @@ def translation_jobs(app: web.Application, texts: list[str], param: str,
                               code="context_length_exceeded")
         jobs.sources.append(source)
         jobs.prompts.append([facts["decoder_start_token_id"], tgt])
+    # the decoder's context holds its prompt (start and language tokens), then the translation
+    room = app[ASYNC_ENGINE].engine.max_model_len - len(jobs.prompts[0])
+    if max_tokens is not None and max_tokens > room:
+        raise bad_request(f"`max_tokens` is {max_tokens}; this model translates into at most "
+                          f"{room} tokens (model.max_model_len less the decoder's start and "
+                          "language tokens)", param="max_tokens", code="context_length_exceeded")
     return jobs
 
 

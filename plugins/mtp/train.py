@@ -275,10 +275,9 @@ def hf_config(path: Path):
     """The transformers config of the checkpoint at ``path`` (HF directory or GGUF)."""
     from transformers import AutoConfig
     if path.suffix == ".gguf":
-        import gguf
-
+        from heron.core.model_loader import read_gguf
         from heron.plugins.transformer.gguf_loader import gguf_config
-        config = gguf_config(gguf.GGUFReader(path))
+        config = gguf_config(read_gguf(path))
         return AutoConfig.for_model(config.pop("model_type"), **config)
     return AutoConfig.from_pretrained(path)
 
