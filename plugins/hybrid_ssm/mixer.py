@@ -1,8 +1,8 @@
 """The Mamba2 mixer over a flat engine batch, with per-sequence states in engine slots.
 
-Sequences with several rows this step (prefill chunks) run the chunked scan one by one,
-starting from the state in their slot; sequences with one row run the single-step update
-together. Either way each slot ends holding the state after the sequence's last row.
+Sequences with several rows this step (prefill chunks) run the chunked scan, starting from
+the state in their slot; sequences with one row run the single-step update together. Either
+way each slot ends holding the state after the sequence's last row.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from heron.core.batch import Batch
 from heron.core.ops import linear
 from heron.plugins.hybrid_ssm.config import MambaConfig
-from heron.plugins.hybrid_ssm.mamba2 import (causal_conv1d, causal_conv1d_step, gated_rms_norm,
-                                             ssd_chunk_scan, ssm_step)
+from heron.plugins.hybrid_ssm.ops import (conv1d_decode, conv1d_prefill, gated_rms_norm,
+                                          ssd_prefill, ssm_decode)
 
 
 @dataclass
@@ -92,33 +92,24 @@ def mamba_mixer(h: torch.Tensor, w: MambaWeights, cfg: MambaConfig, plan: MambaP
     proj = linear(h, w.in_proj, w.in_proj_bias)
     z, xbc, dt_raw = proj.split([d_inner, cfg.conv_dim, num_heads], dim=-1)
     dt = _dt(dt_raw, w, cfg, plan)
-    y = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=h.device)
-
-    for first, end, slot in plan.prefills:
-        conv_out, new_conv = causal_conv1d(xbc[first:end], conv_state[slot], w.conv_weight,
-                                           w.conv_bias)
-        conv_state[slot].copy_(new_conv)
-        x, B, C = conv_out.split([d_inner, gn, gn], dim=-1)
-        n = end - first
-        y[first:end], final = ssd_chunk_scan(
-            x.view(n, num_heads, head_dim), dt[first:end], w.A,
-            B.view(n, cfg.num_groups, -1), C.view(n, cfg.num_groups, -1), w.D,
-            cfg.chunk_size, ssm_state[slot])
-        ssm_state[slot].copy_(final)
+    y = None
+    if plan.prefills:
+        x, B, C = conv1d_prefill(xbc, plan.prefills, conv_state, w.conv_weight,
+                                 w.conv_bias).split([d_inner, gn, gn], dim=-1)
+        y = ssd_prefill(x.view(num_tokens, num_heads, head_dim), dt, w.A,
+                        B.view(num_tokens, cfg.num_groups, -1),
+                        C.view(num_tokens, cfg.num_groups, -1), w.D, cfg.chunk_size,
+                        plan.prefills, ssm_state)
 
     if plan.decode_rows is not None:
         rows, slots = plan.decode_rows, plan.decode_slots
         take = (lambda t: t) if plan.is_all_decode else (lambda t: t.index_select(0, rows))
-        conv_out, new_conv = causal_conv1d_step(take(xbc), conv_state.index_select(0, slots),
-                                                w.conv_weight, w.conv_bias)
-        conv_state.index_copy_(0, slots, new_conv.to(conv_state.dtype))
-        x, B, C = conv_out.split([d_inner, gn, gn], dim=-1)
+        x, B, C = conv1d_decode(take(xbc), conv_state, slots, w.conv_weight,
+                                w.conv_bias).split([d_inner, gn, gn], dim=-1)
         num = x.shape[0]
-        y_dec, new_ssm = ssm_step(ssm_state.index_select(0, slots),
-                                  x.reshape(num, num_heads, head_dim), take(dt), w.A,
-                                  B.reshape(num, cfg.num_groups, -1),
-                                  C.reshape(num, cfg.num_groups, -1), w.D)
-        ssm_state.index_copy_(0, slots, new_ssm)
+        y_dec = ssm_decode(x.reshape(num, num_heads, head_dim), take(dt), w.A,
+                           B.reshape(num, cfg.num_groups, -1),
+                           C.reshape(num, cfg.num_groups, -1), w.D, ssm_state, slots)
         if plan.is_all_decode:
             y = y_dec
         else:

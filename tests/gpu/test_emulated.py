@@ -15,7 +15,7 @@ import torch
 
 from heron.core.ops.cuda.launch import use_backend
 from heron.core.ops.cuda.plan import MmaTile, plan_prefill_mma, prefill_mma_smem_bytes
-from tests.gpu import cases, decode_cases
+from tests.gpu import cases, decode_cases, mamba_cases
 from tests.gpu.emulator import EmulatorBackend, compiler_available
 
 pytestmark = pytest.mark.skipif(not compiler_available(), reason="needs g++ for the kernel emulator")
@@ -285,3 +285,39 @@ def test_prefill_refuses_head_dims_its_kernel_cannot_take(emulated, prefill_kern
     with pytest.raises(ValueError, match="multiple of 32"):
         cases.check_paged_attention("cpu", torch.float32, [5], [9], num_q_heads=2,
                                     num_kv_heads=1, head_dim=16, block_size=16)
+
+
+# ---------------------------------------------------------------------------- Mamba2
+# (the hybrid_ssm family's kernels; small shapes, as every CUDA thread is a real thread)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_lens,width", [([5, 70, 1], 4), ([2], 4), ([9, 3], 2)])
+def test_conv1d_prefill(emulated, dtype, seq_lens, width):
+    mamba_cases.check_conv1d_prefill("cpu", dtype, seq_lens, 40, width)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width,with_bias", [(4, True), (2, False)])
+def test_conv1d_decode(emulated, dtype, width, with_bias):
+    mamba_cases.check_conv1d_decode("cpu", dtype, 3, 150, width, with_bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_lens,chunk_size", [([7, 40], 16), ([1, 16, 17], 16),
+                                                   ([33], 32)])
+def test_ssd_prefill(emulated, dtype, seq_lens, chunk_size):
+    mamba_cases.check_ssd_prefill("cpu", dtype, seq_lens, 4, 8, 2, 16, chunk_size)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("groups,state_size", [(2, 16), (1, 40)])
+def test_ssm_decode(emulated, dtype, groups, state_size):
+    mamba_cases.check_ssm_decode("cpu", dtype, 3, 4, 8, groups, state_size)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_before_gate,with_weight", [(False, True), (True, True),
+                                                          (False, False)])
+def test_gated_rms_norm(emulated, dtype, norm_before_gate, with_weight):
+    mamba_cases.check_gated_rms_norm("cpu", dtype, 3, 96, 48, norm_before_gate, with_weight)
