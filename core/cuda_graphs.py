@@ -54,7 +54,8 @@ class DecodeGraphs:
 
     def can_run(self, batch: Batch) -> bool:
         meta = batch.attn
-        return (meta.is_decode_only and meta.num_seqs <= self.sizes[-1]
+        # NOTE: graphs are captured without adapters; a step with LoRA rows runs eagerly
+        return (meta.is_decode_only and meta.num_seqs <= self.sizes[-1] and not batch.lora_groups
                 and batch.logits_indices.shape[0] == meta.num_seqs
                 and meta.max_seq_len <= self.max_context_len)
 

@@ -2,12 +2,14 @@
 
 One forward pass serves every adapter, as SGMV/BGMV kernels do on GPUs; the engine
 zero-pads every adapter to ``max_rank`` (padding adds exact zeros) and stores B transposed.
-Two ways, picked per step:
+On CPU, two ways, picked per step:
   - small batches (decode): one dense shrink over every slot's A, a per-row mask that keeps
     each row's own adapter (scaled), one expand: three ops per projection, however many
     adapters are in the batch;
   - larger ones (prefill): the engine orders sequences by adapter, so each adapter's rows
     are one contiguous segment, which takes its own shrink and expand on views.
+On CUDA, two kernels (shrink, expand) in which each row reads its own adapter, from per-row
+tables built once per step (`row_adapters`).
 """
 
 from __future__ import annotations
@@ -35,18 +37,42 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
         out[r0:r1] += (x[r0:r1] @ a[slot].T @ b[slot]).mul_(scaling[slot])
 
 
+def runs_per_row(weights: torch.Tensor) -> bool:
+    """Whether adapters on ``weights``' device run as per-row kernels (CUDA)."""
+    return weights.is_cuda
+
+
+def row_adapters(segments: list[tuple[int, int, int]], scaling: list[float], num_rows: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The segments per row: ``(slots [T] int64, -1 for rows without an adapter; scales [T]
+    float32)``."""
+    slots = torch.full((num_rows,), -1, dtype=torch.int64)
+    scales = torch.zeros(num_rows, dtype=torch.float32)
+    for slot, r0, r1 in segments:
+        slots[r0:r1] = slot
+        scales[r0:r1] = scaling[slot]
+    return slots.to(device), scales.to(device)
+
+
 class LayerLora:
     """One layer's adapter weights for one step; `apply` is a no-op for targets no
-    adapter may change."""
+    adapter may change. ``rows``: `row_adapters`, for the CUDA kernels."""
 
     def __init__(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
                  scaling: list[float], segments: list[tuple[int, int, int]],
-                 mask: torch.Tensor | None) -> None:
+                 mask: torch.Tensor | None,
+                 rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.weights, self.scaling, self.segments, self.mask = weights, scaling, segments, mask
+        self.rows = rows
 
     def apply(self, target: str, x: torch.Tensor, out: torch.Tensor) -> None:
         pair = self.weights.get(target)
-        if pair is not None:
+        if pair is None:
+            return
+        if self.rows is not None:
+            from heron.core.ops import cuda
+            cuda.add_lora_rows(out, x, pair[0], pair[1], *self.rows)
+        else:
             add_lora(out, x, pair[0], pair[1], self.scaling, self.segments, self.mask)
 
 
@@ -57,13 +83,15 @@ def layer_loras(lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: tor
     if not segments:
         return [None] * num_layers
     scales = scaling.tolist()  # one sync per step, not one per matmul
-    mask = None
-    if num_rows <= DENSE_MAX_ROWS:
-        a = next(iter(lora.values()))[0]
+    a = next(iter(lora.values()))[0]
+    mask = rows = None
+    if runs_per_row(a):
+        rows = row_adapters(segments, scales, num_rows, a.device)
+    elif num_rows <= DENSE_MAX_ROWS:
         slots, rank = a.shape[1], a.shape[2]
         mask = torch.zeros(num_rows, slots, rank, dtype=a.dtype, device=a.device)
         for slot, r0, r1 in segments:
             mask[r0:r1, slot] = scales[slot]
         mask = mask.view(num_rows, slots * rank)
-    return [LayerLora({t: (a[i], b[i]) for t, (a, b) in lora.items()}, scales, segments, mask)
-            for i in range(num_layers)]
+    return [LayerLora({t: (a[i], b[i]) for t, (a, b) in lora.items()}, scales, segments, mask,
+                      rows) for i in range(num_layers)]

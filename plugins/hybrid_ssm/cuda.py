@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from heron.core.ops import dtype_code, f32, i32, i64, launch_kernel
@@ -37,17 +38,25 @@ def _slots(slots: torch.Tensor) -> torch.Tensor:
     return slots.to(torch.int64).contiguous()
 
 
+def _slot_stride(states: torch.Tensor) -> np.int64:
+    """The stride between slots of a state pool whose slots are each packed (one layer's
+    view of the engine's ``[slots, layers, ...]`` pool is)."""
+    if not states[0].is_contiguous():
+        raise ValueError("each slot of a state pool must be contiguous")
+    return i64(states.stride(0))
+
+
 def conv1d_decode(x, conv_state, slots, weight, bias):
     batch, channels = x.shape
     width = weight.shape[1]
-    assert width <= MAX_CONV_WIDTH and conv_state.is_contiguous()
+    assert width <= MAX_CONV_WIDTH
     _same_dtype(x, conv_state=conv_state, weight=weight, bias=bias)
     x, x_stride = _rows(x)
     out = torch.empty((batch, channels), dtype=x.dtype, device=x.device)
     if batch:
         launch_kernel(CONV, "conv1d_decode_kernel", {"HERON_DTYPE": dtype_code(x.dtype)},
                       (batch, -(-channels // _CHANNELS), 1), (_CHANNELS, 1, 1),
-                      (out, x, i64(x_stride), conv_state, _slots(slots), weight.contiguous(),
+                      (out, x, i64(x_stride), conv_state, _slot_stride(conv_state), _slots(slots), weight.contiguous(),
                        None if bias is None else bias.contiguous(), i32(channels), i32(width)),
                       device=x.device)
     return out
@@ -56,7 +65,7 @@ def conv1d_decode(x, conv_state, slots, weight, bias):
 def conv1d_prefill(x, seqs, conv_state, weight, bias):
     num_rows, channels = x.shape
     width = weight.shape[1]
-    assert width <= MAX_CONV_WIDTH and conv_state.is_contiguous()
+    assert width <= MAX_CONV_WIDTH
     _same_dtype(x, conv_state=conv_state, weight=weight, bias=bias)
     x, x_stride = _rows(x)
     out = torch.empty((num_rows, channels), dtype=x.dtype, device=x.device)
@@ -68,12 +77,13 @@ def conv1d_prefill(x, seqs, conv_state, weight, bias):
     blocks = -(-channels // _CHANNELS)
     launch_kernel(CONV, "conv1d_prefill_kernel", defines,
                   (blocks, len(seqs), -(-longest // 64)), (_CHANNELS, 1, 1),
-                  (out, i64(channels), x, i64(x_stride), conv_state, table, weight.contiguous(),
+                  (out, i64(channels), x, i64(x_stride), conv_state, _slot_stride(conv_state), table, weight.contiguous(),
                    None if bias is None else bias.contiguous(), i32(channels), i32(width)),
                   device=x.device)
     launch_kernel(CONV, "conv1d_window_kernel", defines, (blocks, len(seqs), 1),
                   (_CHANNELS, 1, 1),
-                  (conv_state, x, i64(x_stride), table, i32(channels), i32(width)),
+                  (conv_state, _slot_stride(conv_state), x, i64(x_stride), table, i32(channels),
+                   i32(width)),
                   device=x.device)
     return out
 
@@ -91,14 +101,14 @@ def _ssm_args(x, B, C):
 def ssm_decode(x, dt, A, B, C, D, ssm_state, slots):
     batch, num_heads, head_dim = x.shape
     num_groups, state_size = B.shape[1:]
-    assert ssm_state.dtype == torch.float32 and ssm_state.is_contiguous()
+    assert ssm_state.dtype == torch.float32
     _same_dtype(x, B=B, C=C)
     y = torch.empty((batch, num_heads, head_dim), dtype=torch.float32, device=x.device)
     if batch:
         x, x_stride, B, C, bc_stride = _ssm_args(x, B, C)
         launch_kernel(SSM, "ssm_decode_kernel", {"HERON_DTYPE": dtype_code(x.dtype)},
                       (batch, num_heads, 1), (128, 1, 1),
-                      (y, ssm_state, _slots(slots), x, x_stride, dt.float().contiguous(),
+                      (y, ssm_state, _slot_stride(ssm_state), _slots(slots), x, x_stride, dt.float().contiguous(),
                        A.float().contiguous(), D.float().contiguous(), B, C, bc_stride,
                        i32(num_heads), i32(head_dim), i32(num_groups), i32(state_size)),
                       device=x.device)
@@ -109,7 +119,6 @@ def ssd_prefill(x, dt, A, B, C, D, chunk_size, seqs, ssm_state):
     num_rows, num_heads, head_dim = x.shape
     num_groups, state_size = B.shape[1:]
     assert head_dim <= MAX_HEAD_DIM and ssm_state.dtype == torch.float32
-    assert ssm_state.is_contiguous()
     _same_dtype(x, B=B, C=C)
     y = torch.empty((num_rows, num_heads, head_dim), dtype=torch.float32, device=x.device)
     if not seqs:
@@ -134,7 +143,7 @@ def ssd_prefill(x, dt, A, B, C, D, chunk_size, seqs, ssm_state):
                                 *shape),
                   device=dev, shared_mem=2 * chunk_size * 4)
     launch_kernel(SSM, "ssd_state_passing_kernel", defines, (len(seqs), num_heads, 1),
-                  (256, 1, 1), (states, ssm_state, acum, chunk_table, seq_table, seq_chunks,
+                  (256, 1, 1), (states, ssm_state, _slot_stride(ssm_state), acum, chunk_table, seq_table, seq_chunks,
                                 i32(num_heads), i32(head_dim), i32(state_size),
                                 i32(chunk_size)),
                   device=dev)

@@ -220,3 +220,31 @@ def check_decode_padded_rows(device, dtype, seq_lens=(300, 1, 77), max_seq_len=5
     assert torch.equal(out[1].float().cpu(), torch.zeros_like(out[1].float().cpu()))
     keep = [i for i in range(len(seq_lens)) if i != 1]
     assert_close(out[keep], ref[keep], dtype, "paged_attention with a padded row")
+
+
+# ---------------------------------------------------------------------------- LoRA
+
+
+def check_lora(device, dtype, num_rows, in_features, out_features, rank, num_slots, segments,
+               seed=0):
+    """`add_lora_rows` on ``segments`` ``(slot, first row, end row)`` against `add_lora`'s
+    segment form in float32; ``out`` is a column slice of a fused projection and ``x`` a
+    strided view. Rows outside every segment must come out unchanged."""
+    from heron.core.ops.lora import add_lora, row_adapters
+    g = _gen(seed)
+    x = _randn(num_rows, in_features + 8, g=g, dtype=dtype, device=device)[:, 8:]
+    proj = _randn(num_rows, out_features + 32, g=g, dtype=dtype, device=device)
+    out = proj[:, 16:16 + out_features]
+    a = _randn(num_slots, rank, in_features, g=g, dtype=dtype, device=device, scale=0.2)
+    b = _randn(num_slots, rank, out_features, g=g, dtype=dtype, device=device, scale=0.2)
+    scaling = [0.5 + i for i in range(num_slots)]
+    ref = out.float().cpu().clone()
+    add_lora(ref, x.float().cpu(), a.float().cpu(), b.float().cpu(), scaling, segments)
+    before = proj.clone()
+    with poisoned_outputs():
+        cuda_ops.add_lora_rows(out, x, a, b, *row_adapters(segments, scaling, num_rows, device))
+    assert_close(out, ref, dtype, "add_lora_rows")
+    covered = {r for _, r0, r1 in segments for r in range(r0, r1)}
+    untouched = [r for r in range(num_rows) if r not in covered]
+    assert torch.equal(proj[untouched].cpu(), before[untouched].cpu()), "rows without adapter changed"
+    assert torch.equal(proj[:, :16].cpu(), before[:, :16].cpu()), "columns outside out changed"

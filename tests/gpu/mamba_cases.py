@@ -5,8 +5,8 @@ Each check runs the CUDA op (`heron.plugins.hybrid_ssm.cuda`, on whatever backen
 routes to) with its outputs poisoned, and the ``*_ref`` op in float32 on copies of the same
 inputs. The inputs are built as the mixer passes them: x, B and C are strided column views
 of one projection, the batch's rows mix prefilling and other sequences, and the state pools
-hold more slots than the batch uses, in shuffled order; slots the batch does not use must
-come out unchanged.
+hold more slots than the batch uses, in shuffled order, each pool one layer's view of a
+two-layer pool as the engine's are; slots the batch does not use must come out unchanged.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def check_conv1d_prefill(device, dtype, seq_lens, channels, width, seed=0):
     x = proj[:, 8:8 + channels]  # a column view, as the mixer's xbc
     weight = _rand(g, channels, width, dtype=dtype, device=device, scale=0.5)
     bias = _rand(g, channels, dtype=dtype, device=device)
-    state = _rand(g, num_slots, channels, width - 1, dtype=dtype, device=device)
+    state = _rand(g, num_slots, 2, channels, width - 1, dtype=dtype, device=device)[:, 1]
     ref_state = state.float().cpu().clone()  # a copy even when state is float32 on CPU
     ref = ops.conv1d_prefill_ref(x.float().cpu(), seqs, ref_state, weight.float().cpu(),
                                  bias.float().cpu())
@@ -76,7 +76,7 @@ def check_conv1d_decode(device, dtype, batch, channels, width, with_bias=True, s
     x = _rand(g, batch, channels + 16, dtype=dtype, device=device)[:, 16:]
     weight = _rand(g, channels, width, dtype=dtype, device=device, scale=0.5)
     bias = _rand(g, channels, dtype=dtype, device=device) if with_bias else None
-    state = _rand(g, num_slots, channels, width - 1, dtype=dtype, device=device)
+    state = _rand(g, num_slots, 2, channels, width - 1, dtype=dtype, device=device)[:, 1]
     ref_state = state.float().cpu().clone()  # a copy even when state is float32 on CPU
     ref = ops.conv1d_decode_ref(x.float().cpu(), ref_state, slots, weight.float().cpu(),
                                 None if bias is None else bias.float().cpu())
@@ -98,7 +98,7 @@ def _ssm_inputs(g, num_rows, heads, head_dim, groups, state_size, num_slots, dty
                 A=-torch.exp(_rand(g, heads) * 0.5).to(device),
                 B=B.view(num_rows, groups, state_size), C=C.view(num_rows, groups, state_size),
                 D=_rand(g, heads).to(device)), \
-        _rand(g, num_slots, heads, head_dim, state_size, device=device)
+        _rand(g, num_slots, 2, heads, head_dim, state_size, device=device)[:, 1]
 
 
 def _float_cpu(t: dict) -> dict:

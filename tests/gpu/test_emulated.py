@@ -321,3 +321,86 @@ def test_ssm_decode(emulated, dtype, groups, state_size):
                                                           (False, False)])
 def test_gated_rms_norm(emulated, dtype, norm_before_gate, with_weight):
     mamba_cases.check_gated_rms_norm("cpu", dtype, 3, 96, 48, norm_before_gate, with_weight)
+
+
+@pytest.mark.parametrize("kind", ["bamba", "nemotron_h"])
+def test_hybrid_engine_through_the_mamba_kernels(emulated, kind, tmp_path, monkeypatch):
+    """The mixer's plumbing (column views, slots, mixed prefill and decode rows, chunked
+    prefills) with every Mamba2 op on its kernel: the logits of a whole engine run equal
+    those of the torch ops."""
+    from heron.core.sampling_params import SamplingParams
+    from heron.plugins.hybrid_ssm import cuda as mamba_cuda
+    from heron.plugins.hybrid_ssm import mixer
+    from tests.engine_utils import LogitsRecorder, make_engine
+    from tests.hybrid_models import build_hybrid
+
+    build_hybrid(kind, tmp_path)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (5, 19, 30)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+
+    def run():
+        engine = make_engine(tmp_path, **{"engine.max_num_batched_tokens": 16})
+        recorder = LogitsRecorder(engine)
+        outs = engine.generate(prompts, params)
+        assert engine.states.slots.num_used == 0
+        return [o.outputs[0].token_ids for o in outs], recorder.rows, outs
+
+    ref_tokens, ref_rows, _ = run()
+    names = ("conv1d_prefill", "conv1d_decode", "ssd_prefill", "ssm_decode", "gated_rms_norm")
+    for name in names:
+        monkeypatch.setattr(mixer, name, getattr(mamba_cuda, name))
+    tokens, rows, outs = run()
+    launched = {name for name, *_ in emulated.launches}
+    assert {"conv1d_prefill_kernel", "ssd_chunk_scan_kernel", "ssm_decode_kernel",
+            "gated_rms_norm_kernel"} <= launched
+    assert tokens == ref_tokens
+    worst = max((rows[(o.request_id, pos)] - ref_rows[(o.request_id, pos)]).abs().max().item()
+                for o, p in zip(outs, prompts) for pos in range(len(p) + 5))
+    assert worst <= 1e-4, f"kernel vs torch logits differ by {worst:.2e}"
+
+
+# ---------------------------------------------------------------------------- LoRA
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rank,segments", [(8, [(2, 0, 3), (0, 4, 6)]), (5, [(1, 0, 7)])])
+def test_lora(emulated, dtype, rank, segments):
+    cases.check_lora("cpu", dtype, 7, 72, 100, rank, 3, segments)
+
+
+def test_lora_engine_through_the_kernels(emulated, tmp_path, monkeypatch):
+    """Adapters served by the per-row kernels (the CUDA path of `layer_loras`) in a whole
+    engine run: two adapters and the base model in one batch, logits equal to the torch
+    path's."""
+    from heron.core.ops import lora as lora_ops
+    from heron.core.sampling_params import SamplingParams
+    from tests.engine_utils import LogitsRecorder, make_engine
+    from tests.lora_models import build_standard_adapters
+    from tests.tiny_models import build_tiny
+
+    model = build_tiny("llama", tmp_path / "base")
+    adapters = build_standard_adapters(model, tmp_path)
+    names = list(adapters)[:2]
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (6, 13, 9)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+
+    def run():
+        engine = make_engine(tmp_path / "base", **{
+            "lora.adapters": {n: str(adapters[n]) for n in names}, "lora.max_loras": 2})
+        recorder = LogitsRecorder(engine)
+        for i, (prompt, adapter) in enumerate(zip(prompts, [names[0], None, names[1]])):
+            engine.add_request(f"r{i}", prompt, params, adapter=adapter)
+        outs = []
+        while engine.has_unfinished():
+            outs += [o for o in engine.step() if o.finished]
+        return recorder.rows, sorted(outs, key=lambda o: o.request_id)
+
+    ref_rows, _ = run()
+    monkeypatch.setattr(lora_ops, "runs_per_row", lambda weights: True)
+    rows, outs = run()
+    assert {"lora_shrink_kernel", "lora_expand_kernel"} <= {n for n, *_ in emulated.launches}
+    worst = max((rows[(o.request_id, pos)] - ref_rows[(o.request_id, pos)]).abs().max().item()
+                for o, p in zip(outs, prompts) for pos in range(len(p) + 3))
+    assert worst <= 1e-4, f"kernel vs torch logits differ by {worst:.2e}"

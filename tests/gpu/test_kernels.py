@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from tests.gpu import cases, decode_cases
+from tests.gpu import cases, decode_cases, mamba_cases
 
 pytestmark = pytest.mark.gpu
 
@@ -265,3 +265,53 @@ def test_decode_variant_in_cuda_graph(name):
     assert torch.equal(out[2].float().cpu(), torch.zeros_like(out[2].float().cpu()))
     ref = cases.reference_attention(case)
     cases.assert_close(out[[0, 1, 3]], ref[[0, 1, 3]], torch.bfloat16, f"graph replay {name}")
+
+
+# ---------------------------------------------------------------------------- Mamba2
+# (the hybrid_ssm family's kernels) Bamba-9B's mixer: d_inner 8192, 128 heads of 64, one
+# group, state 128, conv 4 wide over 8448 channels, chunks of 256; Nemotron-H's 8 groups.
+BAMBA = dict(heads=128, head_dim=64, groups=1, state_size=128)
+NEMOTRON = dict(heads=128, head_dim=64, groups=8, state_size=128)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_lens", [[4096], [1, 7, 300, 2049]])
+def test_conv1d_prefill(dtype, seq_lens):
+    mamba_cases.check_conv1d_prefill(DEV, dtype, seq_lens, 8448, 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 64, 256])
+def test_conv1d_decode(dtype, batch):
+    mamba_cases.check_conv1d_decode(DEV, dtype, batch, 8448, 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_lens,shape", [([4096], BAMBA), ([1, 255, 257, 1000], NEMOTRON)])
+def test_ssd_prefill(dtype, seq_lens, shape):
+    mamba_cases.check_ssd_prefill(DEV, dtype, seq_lens, chunk_size=256, **shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch,shape", [(1, BAMBA), (64, NEMOTRON), (256, BAMBA)])
+def test_ssm_decode(dtype, batch, shape):
+    mamba_cases.check_ssm_decode(DEV, dtype, batch, **shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("groups,norm_before_gate", [(1, False), (8, True)])
+def test_gated_rms_norm(dtype, groups, norm_before_gate):
+    mamba_cases.check_gated_rms_norm(DEV, dtype, 300, 8192, 8192 // groups, norm_before_gate)
+
+
+# ---------------------------------------------------------------------------- LoRA
+# Llama-3-8B's projections: q (4096 -> 4096), gate/up (4096 -> 14336), down (14336 -> 4096).
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,in_f,out_f,rank,segments", [
+    (1, 4096, 4096, 16, [(0, 0, 1)]),
+    (64, 4096, 14336, 8, [(3, 0, 20), (1, 20, 21), (0, 40, 64)]),
+    (300, 14336, 4096, 64, [(2, 0, 150), (0, 150, 300)])])
+def test_lora(dtype, rows, in_f, out_f, rank, segments):
+    cases.check_lora(DEV, dtype, rows, in_f, out_f, rank, 4, segments)

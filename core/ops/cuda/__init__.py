@@ -8,7 +8,8 @@ Importing this package imports torch and numpy only; cupy is imported at the fir
 from heron.core.ops.cuda.activation import silu_and_mul
 from heron.core.ops.cuda.attention import paged_attention
 from heron.core.ops.cuda.cache import write_kv
+from heron.core.ops.cuda.lora import add_lora_rows
 from heron.core.ops.cuda.norm import rms_norm
 from heron.core.ops.cuda.rotary import rotary
 
-__all__ = ["paged_attention", "rms_norm", "rotary", "silu_and_mul", "write_kv"]
+__all__ = ["add_lora_rows", "paged_attention", "rms_norm", "rotary", "silu_and_mul", "write_kv"]

@@ -26,6 +26,8 @@ register_kernel_file(KERNEL_DIR / "norm.cu", ["rms_norm_kernel"], ALL_DTYPES)
 register_kernel_file(KERNEL_DIR / "activation.cu", ["silu_and_mul_kernel"], ALL_DTYPES)
 register_kernel_file(KERNEL_DIR / "rotary.cu", ["rotary_kernel"], ALL_DTYPES)
 register_kernel_file(KERNEL_DIR / "cache.cu", ["write_kv_kernel"], ALL_DTYPES)
+register_kernel_file(KERNEL_DIR / "lora.cu", ["lora_shrink_kernel", "lora_expand_kernel"],
+                     ALL_DTYPES)
 # Decode: every shape on CUDA cores (the kernel's defaults), the tensor-core path where it
 # applies, and non-default knobs (plan.DecodeConfig) on the Llama shape.
 _DECODE_KNOBS = ({"DECODE_MMA": 1}, {"DECODE_MMA": 1, "DECODE_WARPS": 8, "DECODE_UNROLL": 2,

@@ -19,7 +19,8 @@ __device__ __forceinline__ float silu_of(float v) {
 extern "C" __global__ void conv1d_decode_kernel(
     scalar_t* __restrict__ out,                  // [B, C] contiguous
     const scalar_t* __restrict__ x, long long x_stride,  // row b's C inputs at b * x_stride
-    scalar_t* __restrict__ conv_state,           // [slots, C, width - 1], updated in place
+    scalar_t* __restrict__ conv_state, long long slot_stride,  // slot s: [C, width - 1]
+                                                 // at s * slot_stride, updated in place
     const long long* __restrict__ slots,         // [B]
     const scalar_t* __restrict__ weight,         // [C, width]
     const scalar_t* __restrict__ bias,           // [C]; null: none
@@ -27,7 +28,7 @@ extern "C" __global__ void conv1d_decode_kernel(
   const int c = blockIdx.y * blockDim.x + threadIdx.x;
   if (c >= channels) return;
   const long long b = blockIdx.x;
-  scalar_t* window = conv_state + (slots[b] * channels + c) * (long long)(width - 1);
+  scalar_t* window = conv_state + slots[b] * slot_stride + (long long)c * (width - 1);
   const scalar_t* w = weight + (long long)c * width;
   const scalar_t xv = x[b * x_stride + c];
   float acc = bias != nullptr ? to_float(bias[c]) : 0.f;
@@ -46,7 +47,7 @@ extern "C" __global__ void conv1d_decode_kernel(
 extern "C" __global__ void conv1d_prefill_kernel(
     scalar_t* __restrict__ out, long long out_stride,    // rows of the batch
     const scalar_t* __restrict__ x, long long x_stride,
-    const scalar_t* __restrict__ conv_state,             // [slots, C, width - 1]
+    const scalar_t* __restrict__ conv_state, long long slot_stride,
     const long long* __restrict__ seqs,
     const scalar_t* __restrict__ weight, const scalar_t* __restrict__ bias,
     int channels, int width) {
@@ -57,7 +58,7 @@ extern "C" __global__ void conv1d_prefill_kernel(
   const long long start = first + (long long)blockIdx.z * PREFILL_TOKENS;
   if (start >= end) return;
   const long long stop = min(end, start + PREFILL_TOKENS);
-  const scalar_t* held = conv_state + (slot * channels + c) * (long long)(width - 1);
+  const scalar_t* held = conv_state + slot * slot_stride + (long long)c * (width - 1);
   float w[MAX_CONV_WIDTH], window[MAX_CONV_WIDTH];  // window[k]: input at t - (width - 1) + k
   for (int k = 0; k < width; ++k) w[k] = to_float(weight[(long long)c * width + k]);
   for (int k = 0; k < width - 1; ++k) {
@@ -78,13 +79,14 @@ extern "C" __global__ void conv1d_prefill_kernel(
 // inputs (some still from the old window when it ran fewer tokens than that).
 // Launch: grid (ceil(C / blockDim.x), S), block (128).
 extern "C" __global__ void conv1d_window_kernel(
-    scalar_t* __restrict__ conv_state, const scalar_t* __restrict__ x, long long x_stride,
+    scalar_t* __restrict__ conv_state, long long slot_stride,
+    const scalar_t* __restrict__ x, long long x_stride,
     const long long* __restrict__ seqs, int channels, int width) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= channels) return;
   const long long first = seqs[3 * blockIdx.y], end = seqs[3 * blockIdx.y + 1];
   const long long n = end - first;
-  scalar_t* window = conv_state + (seqs[3 * blockIdx.y + 2] * channels + c) * (long long)(width - 1);
+  scalar_t* window = conv_state + seqs[3 * blockIdx.y + 2] * slot_stride + (long long)c * (width - 1);
   // ascending: entry k reads entry k + n of the old window, not yet overwritten
   for (int k = 0; k < width - 1; ++k) {
     const long long t = n - (width - 1) + k;  // position in this step's tokens

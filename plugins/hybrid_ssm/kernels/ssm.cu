@@ -10,7 +10,8 @@
 // the state entries n.
 extern "C" __global__ void ssm_decode_kernel(
     float* __restrict__ y,                        // [B, H, P] contiguous
-    float* __restrict__ state,                    // [slots, H, P, N], updated in place
+    float* __restrict__ state, long long slot_stride,  // slot s: [H, P, N] at
+                                                  // s * slot_stride, updated in place
     const long long* __restrict__ slots,          // [B]
     const scalar_t* __restrict__ x, long long x_stride,   // row b: [H, P]
     const float* __restrict__ dt,                 // [B, H] contiguous
@@ -25,7 +26,7 @@ extern "C" __global__ void ssm_decode_kernel(
   const float decay = expf(d * A[h]);
   const scalar_t* Bg = Bm + b * bc_stride + (long long)g * state_size;
   const scalar_t* Cg = Cm + b * bc_stride + (long long)g * state_size;
-  float* s = state + (slots[b] * num_heads + h) * (long long)head_dim * state_size;
+  float* s = state + slots[b] * slot_stride + (long long)h * head_dim * state_size;
   for (int p = warp; p < head_dim; p += num_warps) {
     const float xv = to_float(x[b * x_stride + (long long)h * head_dim + p]);
     float* row = s + (long long)p * state_size;
@@ -94,13 +95,13 @@ extern "C" __global__ void ssd_chunk_state_kernel(
 // grid (S, H), block (256).
 extern "C" __global__ void ssd_state_passing_kernel(
     float* __restrict__ chunk_states,             // in: contributions; out: starting states
-    float* __restrict__ state,                    // [slots, H, P, N]
+    float* __restrict__ state, long long slot_stride,  // as in ssm_decode_kernel
     const float* __restrict__ acum, const long long* __restrict__ chunks,
     const long long* __restrict__ seqs, const long long* __restrict__ seq_chunks,
     int num_heads, int head_dim, int state_size, int chunk_size) {
   const int s = blockIdx.x, h = blockIdx.y;
   const long long size = (long long)head_dim * state_size;
-  float* held = state + (seqs[3 * s + 2] * num_heads + h) * size;
+  float* held = state + seqs[3 * s + 2] * slot_stride + h * size;
   const long long c0 = seq_chunks[s], c1 = seq_chunks[s + 1];
   for (long long i = threadIdx.x; i < size; i += blockDim.x) {
     float v = held[i];
