@@ -13,6 +13,7 @@ from heron.core.ops import dtype_code, f32, i32, i64, launch_kernel
 KERNELS = Path(__file__).resolve().parent / "kernels"
 CONV, SSM, NORM = (str(KERNELS / name) for name in ("conv1d.cu", "ssm.cu", "gated_norm.cu"))
 MAX_CONV_WIDTH = 8      # conv1d.cu
+PREFILL_TOKENS = 64     # conv1d.cu: a sequence's tokens per block of the prefill conv
 SCAN_ROWS = 16          # ssm.cu: a chunk's rows per block of the scan
 MAX_HEAD_DIM = 256      # ssm.cu: SCAN_ROWS * P outputs over a block's 256 threads, 16 each
 _CHANNELS = 128         # threads per block of the conv kernels
@@ -46,44 +47,47 @@ def _slot_stride(states: torch.Tensor) -> np.int64:
     return i64(states.stride(0))
 
 
+def _conv(x, conv_state, weight, bias):
+    """The conv kernels' common arguments: ``(x, x_stride, weight, bias)``, and the output."""
+    if weight.shape[1] > MAX_CONV_WIDTH:
+        raise ValueError(f"conv width {weight.shape[1]}: the kernels take {MAX_CONV_WIDTH}")
+    _same_dtype(x, conv_state=conv_state, weight=weight, bias=bias)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x, x_stride = _rows(x)
+    return (x, i64(x_stride), weight.contiguous(),
+            None if bias is None else bias.contiguous()), out
+
+
 def conv1d_decode(x, conv_state, slots, weight, bias):
     batch, channels = x.shape
-    width = weight.shape[1]
-    assert width <= MAX_CONV_WIDTH
-    _same_dtype(x, conv_state=conv_state, weight=weight, bias=bias)
-    x, x_stride = _rows(x)
-    out = torch.empty((batch, channels), dtype=x.dtype, device=x.device)
+    (x, x_stride, weight, bias), out = _conv(x, conv_state, weight, bias)
     if batch:
         launch_kernel(CONV, "conv1d_decode_kernel", {"HERON_DTYPE": dtype_code(x.dtype)},
                       (batch, -(-channels // _CHANNELS), 1), (_CHANNELS, 1, 1),
-                      (out, x, i64(x_stride), conv_state, _slot_stride(conv_state), _slots(slots), weight.contiguous(),
-                       None if bias is None else bias.contiguous(), i32(channels), i32(width)),
+                      (out, x, x_stride, conv_state, _slot_stride(conv_state), _slots(slots),
+                       weight, bias, i32(channels), i32(weight.shape[1])),
                       device=x.device)
     return out
 
 
 def conv1d_prefill(x, seqs, conv_state, weight, bias):
-    num_rows, channels = x.shape
-    width = weight.shape[1]
-    assert width <= MAX_CONV_WIDTH
-    _same_dtype(x, conv_state=conv_state, weight=weight, bias=bias)
-    x, x_stride = _rows(x)
-    out = torch.empty((num_rows, channels), dtype=x.dtype, device=x.device)
+    channels = x.shape[1]
+    (x, x_stride, weight, bias), out = _conv(x, conv_state, weight, bias)
     if not seqs:
         return out
     table = torch.tensor(seqs, dtype=torch.int64, device=x.device)
     longest = max(end - first for first, end, _ in seqs)
     defines = {"HERON_DTYPE": dtype_code(x.dtype)}
-    blocks = -(-channels // _CHANNELS)
+    blocks, width, slot_stride = -(-channels // _CHANNELS), i32(weight.shape[1]), \
+        _slot_stride(conv_state)
     launch_kernel(CONV, "conv1d_prefill_kernel", defines,
-                  (blocks, len(seqs), -(-longest // 64)), (_CHANNELS, 1, 1),
-                  (out, i64(channels), x, i64(x_stride), conv_state, _slot_stride(conv_state), table, weight.contiguous(),
-                   None if bias is None else bias.contiguous(), i32(channels), i32(width)),
+                  (blocks, len(seqs), -(-longest // PREFILL_TOKENS)), (_CHANNELS, 1, 1),
+                  (out, i64(channels), x, x_stride, conv_state, slot_stride, table, weight,
+                   bias, i32(channels), width),
                   device=x.device)
     launch_kernel(CONV, "conv1d_window_kernel", defines, (blocks, len(seqs), 1),
                   (_CHANNELS, 1, 1),
-                  (conv_state, _slot_stride(conv_state), x, i64(x_stride), table, i32(channels),
-                   i32(width)),
+                  (conv_state, slot_stride, x, x_stride, table, i32(channels), width),
                   device=x.device)
     return out
 
@@ -108,7 +112,8 @@ def ssm_decode(x, dt, A, B, C, D, ssm_state, slots):
         x, x_stride, B, C, bc_stride = _ssm_args(x, B, C)
         launch_kernel(SSM, "ssm_decode_kernel", {"HERON_DTYPE": dtype_code(x.dtype)},
                       (batch, num_heads, 1), (128, 1, 1),
-                      (y, ssm_state, _slot_stride(ssm_state), _slots(slots), x, x_stride, dt.float().contiguous(),
+                      (y, ssm_state, _slot_stride(ssm_state), _slots(slots), x, x_stride,
+                       dt.float().contiguous(),
                        A.float().contiguous(), D.float().contiguous(), B, C, bc_stride,
                        i32(num_heads), i32(head_dim), i32(num_groups), i32(state_size)),
                       device=x.device)
@@ -118,7 +123,9 @@ def ssm_decode(x, dt, A, B, C, D, ssm_state, slots):
 def ssd_prefill(x, dt, A, B, C, D, chunk_size, seqs, ssm_state):
     num_rows, num_heads, head_dim = x.shape
     num_groups, state_size = B.shape[1:]
-    assert head_dim <= MAX_HEAD_DIM and ssm_state.dtype == torch.float32
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim}: the scan kernel takes {MAX_HEAD_DIM}")
+    assert ssm_state.dtype == torch.float32
     _same_dtype(x, B=B, C=C)
     y = torch.empty((num_rows, num_heads, head_dim), dtype=torch.float32, device=x.device)
     if not seqs:
@@ -143,7 +150,8 @@ def ssd_prefill(x, dt, A, B, C, D, chunk_size, seqs, ssm_state):
                                 *shape),
                   device=dev, shared_mem=2 * chunk_size * 4)
     launch_kernel(SSM, "ssd_state_passing_kernel", defines, (len(seqs), num_heads, 1),
-                  (256, 1, 1), (states, ssm_state, _slot_stride(ssm_state), acum, chunk_table, seq_table, seq_chunks,
+                  (256, 1, 1), (states, ssm_state, _slot_stride(ssm_state), acum, chunk_table,
+                                seq_table, seq_chunks,
                                 i32(num_heads), i32(head_dim), i32(state_size),
                                 i32(chunk_size)),
                   device=dev)

@@ -246,5 +246,6 @@ def check_lora(device, dtype, num_rows, in_features, out_features, rank, num_slo
     assert_close(out, ref, dtype, "add_lora_rows")
     covered = {r for _, r0, r1 in segments for r in range(r0, r1)}
     untouched = [r for r in range(num_rows) if r not in covered]
-    assert torch.equal(proj[untouched].cpu(), before[untouched].cpu()), "rows without adapter changed"
+    assert torch.equal(proj[untouched].cpu(), before[untouched].cpu()), \
+        "rows without adapter changed"
     assert torch.equal(proj[:, :16].cpu(), before[:, :16].cpu()), "columns outside out changed"

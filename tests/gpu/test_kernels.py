@@ -287,13 +287,13 @@ def test_conv1d_decode(dtype, batch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("seq_lens,shape", [([4096], BAMBA), ([1, 255, 257, 1000], NEMOTRON)])
+@pytest.mark.parametrize("seq_lens,shape", [([2048], BAMBA), ([1, 255, 257, 1000], NEMOTRON)])
 def test_ssd_prefill(dtype, seq_lens, shape):
     mamba_cases.check_ssd_prefill(DEV, dtype, seq_lens, chunk_size=256, **shape)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("batch,shape", [(1, BAMBA), (64, NEMOTRON), (256, BAMBA)])
+@pytest.mark.parametrize("batch,shape", [(1, BAMBA), (64, NEMOTRON)])  # 4 MB of state each
 def test_ssm_decode(dtype, batch, shape):
     mamba_cases.check_ssm_decode(DEV, dtype, batch, **shape)
 

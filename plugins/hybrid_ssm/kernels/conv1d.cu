@@ -63,7 +63,8 @@ extern "C" __global__ void conv1d_prefill_kernel(
   for (int k = 0; k < width; ++k) w[k] = to_float(weight[(long long)c * width + k]);
   for (int k = 0; k < width - 1; ++k) {
     const long long t = start - (width - 1) + k;
-    window[k] = t >= first ? to_float(x[t * x_stride + c]) : to_float(held[width - 1 + (t - first)]);
+    window[k] = t >= first ? to_float(x[t * x_stride + c])
+                           : to_float(held[width - 1 + (t - first)]);
   }
   const float b = bias != nullptr ? to_float(bias[c]) : 0.f;
   for (long long t = start; t < stop; ++t) {
@@ -86,7 +87,8 @@ extern "C" __global__ void conv1d_window_kernel(
   if (c >= channels) return;
   const long long first = seqs[3 * blockIdx.y], end = seqs[3 * blockIdx.y + 1];
   const long long n = end - first;
-  scalar_t* window = conv_state + seqs[3 * blockIdx.y + 2] * slot_stride + (long long)c * (width - 1);
+  scalar_t* window =
+      conv_state + seqs[3 * blockIdx.y + 2] * slot_stride + (long long)c * (width - 1);
   // ascending: entry k reads entry k + n of the old window, not yet overwritten
   for (int k = 0; k < width - 1; ++k) {
     const long long t = n - (width - 1) + k;  // position in this step's tokens

@@ -174,7 +174,8 @@ extern "C" __global__ void ssd_chunk_scan_kernel(
     for (int i = threadIdx.x; i < SCAN_ROWS * P; i += blockDim.x) {
       const int r = i / P, p = i % P;
       const long long t = row0 + s0 + r;
-      x_rows[i] = r < sources ? dt[t * num_heads + h] * to_float(x[t * x_stride + x_head + p]) : 0.f;
+      x_rows[i] = r < sources
+          ? dt[t * num_heads + h] * to_float(x[t * x_stride + x_head + p]) : 0.f;
     }
     __syncthreads();
     for (int i = threadIdx.x; i < SCAN_ROWS * SCAN_ROWS; i += blockDim.x) {
