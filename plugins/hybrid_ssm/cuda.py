@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from heron.core.ops import dtype_code, f32, i32, i64, launch_kernel
+from heron.core.ops import dtype_code, f32, i32, i64, launch_kernel, packed_rows
 
 KERNELS = Path(__file__).resolve().parent / "kernels"
 CONV, SSM, NORM = (str(KERNELS / name) for name in ("conv1d.cu", "ssm.cu", "gated_norm.cu"))
@@ -17,16 +18,6 @@ PREFILL_TOKENS = 64     # conv1d.cu: a sequence's tokens per block of the prefil
 SCAN_ROWS = 16          # ssm.cu: a chunk's rows per block of the scan
 MAX_HEAD_DIM = 256      # ssm.cu: SCAN_ROWS * P outputs over a block's 256 threads, 16 each
 _CHANNELS = 128         # threads per block of the conv kernels
-
-
-def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``t`` with every dim after the first packed (a view when it already is) and the
-    stride of its first."""
-    packed = t.shape[1:].numel()
-    if t.dim() > 1 and t[0].is_contiguous() and t.stride(0) >= packed:
-        return t, t.stride(0)
-    t = t.contiguous()
-    return t, packed
 
 
 def _same_dtype(x: torch.Tensor, **others: torch.Tensor | None) -> None:
@@ -47,13 +38,33 @@ def _slot_stride(states: torch.Tensor) -> np.int64:
     return i64(states.stride(0))
 
 
+# Every Mamba layer of a step passes the same prefilling sequences: their device tables are
+# built (one host-to-device copy each) by the first layer and reused by the others.
+@functools.lru_cache(maxsize=8)
+def _seq_table(seqs: tuple, device: torch.device) -> torch.Tensor:
+    return torch.tensor(seqs, dtype=torch.int64, device=device)
+
+
+@functools.lru_cache(maxsize=8)
+def _chunk_tables(seqs: tuple, chunk_size: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(chunks [NC, 3] (sequence, first row, length), seq_chunks [S + 1], NC)``: each
+    sequence's rows in chunks of ``chunk_size``, counted from its first row."""
+    chunks, seq_chunks = [], [0]
+    for s, (first, end, _) in enumerate(seqs):
+        chunks += [(s, row, min(chunk_size, end - row)) for row in range(first, end, chunk_size)]
+        seq_chunks.append(len(chunks))
+    return (torch.tensor(chunks, dtype=torch.int64, device=device),
+            torch.tensor(seq_chunks, dtype=torch.int64, device=device), len(chunks))
+
+
 def _conv(x, conv_state, weight, bias):
     """The conv kernels' common arguments: ``(x, x_stride, weight, bias)``, and the output."""
     if weight.shape[1] > MAX_CONV_WIDTH:
         raise ValueError(f"conv width {weight.shape[1]}: the kernels take {MAX_CONV_WIDTH}")
     _same_dtype(x, conv_state=conv_state, weight=weight, bias=bias)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    x, x_stride = _rows(x)
+    x, x_stride = packed_rows(x)
     return (x, i64(x_stride), weight.contiguous(),
             None if bias is None else bias.contiguous()), out
 
@@ -75,7 +86,7 @@ def conv1d_prefill(x, seqs, conv_state, weight, bias):
     (x, x_stride, weight, bias), out = _conv(x, conv_state, weight, bias)
     if not seqs:
         return out
-    table = torch.tensor(seqs, dtype=torch.int64, device=x.device)
+    table = _seq_table(tuple(seqs), x.device)
     longest = max(end - first for first, end, _ in seqs)
     defines = {"HERON_DTYPE": dtype_code(x.dtype)}
     blocks, width, slot_stride = -(-channels // _CHANNELS), i32(weight.shape[1]), \
@@ -93,9 +104,9 @@ def conv1d_prefill(x, seqs, conv_state, weight, bias):
 
 
 def _ssm_args(x, B, C):
-    x, x_stride = _rows(x)
-    B, bc_stride = _rows(B)
-    C, c_stride = _rows(C)
+    x, x_stride = packed_rows(x)
+    B, bc_stride = packed_rows(B)
+    C, c_stride = packed_rows(C)
     if c_stride != bc_stride:
         C, c_stride = C.contiguous(), C[0].numel()
         B, bc_stride = B.contiguous(), c_stride
@@ -130,14 +141,9 @@ def ssd_prefill(x, dt, A, B, C, D, chunk_size, seqs, ssm_state):
     y = torch.empty((num_rows, num_heads, head_dim), dtype=torch.float32, device=x.device)
     if not seqs:
         return y
-    chunks, seq_chunks = [], [0]
-    for s, (first, end, _) in enumerate(seqs):
-        chunks += [(s, row, min(chunk_size, end - row)) for row in range(first, end, chunk_size)]
-        seq_chunks.append(len(chunks))
-    dev, num_chunks = x.device, len(chunks)
-    chunk_table = torch.tensor(chunks, dtype=torch.int64, device=dev)
-    seq_table = torch.tensor(seqs, dtype=torch.int64, device=dev)
-    seq_chunks = torch.tensor(seq_chunks, dtype=torch.int64, device=dev)
+    dev, seqs = x.device, tuple(seqs)
+    chunk_table, seq_chunks, num_chunks = _chunk_tables(seqs, chunk_size, dev)
+    seq_table = _seq_table(seqs, dev)
     states = torch.empty((num_chunks, num_heads, head_dim, state_size), dtype=torch.float32,
                          device=dev)
     acum = torch.empty((num_chunks, num_heads, chunk_size), dtype=torch.float32, device=dev)
@@ -166,7 +172,7 @@ def ssd_prefill(x, dt, A, B, C, D, chunk_size, seqs, ssm_state):
 def gated_rms_norm(y, z, weight, eps, group_size, norm_before_gate=False):
     num_rows, d_inner = y.shape
     y = y.float().contiguous()
-    z, z_stride = _rows(z)
+    z, z_stride = packed_rows(z)
     if weight is not None:
         weight = weight.to(z.dtype).contiguous()
     out = torch.empty((num_rows, d_inner), dtype=torch.float32, device=y.device)

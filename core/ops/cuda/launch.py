@@ -54,6 +54,16 @@ def f32(x: float) -> np.float32:
     return np.float32(x)
 
 
+def packed_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``t`` (``[rows, ...]``) with every dim after the first packed, and the stride between
+    its rows: a view when it already is (a column slice of a projection is), else a
+    contiguous copy. A kernel then reads row ``r`` at ``r * stride``."""
+    packed = t.shape[1:].numel()
+    if t.dim() > 1 and t[0].is_contiguous() and t.stride(0) >= packed:
+        return t, t.stride(0)
+    return t.contiguous(), packed
+
+
 class DeviceInfo(NamedTuple):
     num_sms: int
     max_smem_per_block: int  # with opt-in

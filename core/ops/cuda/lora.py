@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from heron.core.ops.cuda.launch import dtype_code, i32, i64, launch
+from heron.core.ops.cuda.launch import dtype_code, i32, i64, launch, packed_rows
 
 _THREADS = 128
 
 
-def _row_major(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    return (t, t.stride(0)) if t.stride(-1) == 1 else (t.contiguous(), t.shape[-1])
-
-
 def add_lora_rows(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             row_slots: torch.Tensor, row_scales: torch.Tensor) -> None:
+                  row_slots: torch.Tensor, row_scales: torch.Tensor) -> None:
     """``out[r] += row_scales[r] * (x[r] @ a[s].T) @ b[s]`` with ``s = row_slots[r]``; rows
     with ``s < 0`` are left alone. ``out`` may be a column slice of a fused projection."""
     num_rows, rank = x.shape[0], a.shape[1]
@@ -23,7 +19,7 @@ def add_lora_rows(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
         return
     if out.stride(-1) != 1:
         raise ValueError("add_lora writes rows of `out` in place: its last dim must be dense")
-    x, x_stride = _row_major(x)
+    x, x_stride = packed_rows(x)
     a, b = a.to(x.dtype).contiguous(), b.to(x.dtype).contiguous()
     defines = {"HERON_DTYPE": dtype_code(x.dtype)}
     v = torch.empty((num_rows, rank), dtype=torch.float32, device=x.device)
