@@ -173,6 +173,7 @@ class Engine:
         at start-up)."""
         if proposer.needs_hidden_states:
             self.runner.keep_hidden_states = True
+            self.runner.hidden_states_layers = proposer.hidden_layers
             self.graphs = None  # replays would not leave the hidden states
         self.proposer = proposer
 

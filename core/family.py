@@ -95,20 +95,24 @@ class ModelRunner(ABC):
     #: copy made by `fork_state`, and several rows of a batch may name one slot.
     forks_share_states: bool = False
     #: Set by the engine when its speculative proposer drafts from hidden states; a family
-    #: that supports this then leaves, after each `forward`, the final hidden states (after
-    #: the last norm, what the LM head reads) of every row of the batch in `hidden_states`.
+    #: that supports this then leaves, after each `forward`, the hidden states of every row
+    #: of the batch in `hidden_states`: those of `hidden_states_layers` (the proposer's
+    #: `heron.core.speculative.Proposer.hidden_layers`; None: the final ones, after the last
+    #: norm, what the LM head reads), side by side.
     keep_hidden_states: bool = False
+    hidden_states_layers: tuple[int | None, ...] = (None,)
     hidden_states: torch.Tensor | None = None
 
     def keeping_hidden_states(self, forward) -> torch.Tensor:
-        """``forward(hidden_out)`` of a model that appends its final hidden states to the
-        list ``hidden_out`` (None: not needed); with `keep_hidden_states` they are kept in
-        `hidden_states`. For families that support drafting from hidden states."""
+        """``forward(hidden_out)`` of a model that appends to the list ``hidden_out`` (None:
+        not needed) the hidden states of `hidden_states_layers`, in order; with
+        `keep_hidden_states` they are kept in `hidden_states`. For families that support
+        drafting from hidden states."""
         if not self.keep_hidden_states:
             return forward(None)
         hidden: list[torch.Tensor] = []
         logits = forward(hidden)
-        self.hidden_states = hidden[0]
+        self.hidden_states = hidden[0] if len(hidden) == 1 else torch.cat(hidden, -1)
         return logits
 
     @abstractmethod

@@ -44,9 +44,13 @@ class Proposer(ABC):
     A proposer that drafts from the target model's hidden states (an MTP head) sets
     `needs_hidden_states`: the engine then asks the runner to keep them
     (``ModelRunner.keep_hidden_states``) and hands each step's rows to `observe`.
+    `hidden_layers` says which: ``None`` the final hidden states (after the last norm), an
+    int ``n`` the output of layer ``n`` (counted from 1) through the same norm; with more
+    than one, `observe` gets them side by side, ``[rows, len(hidden_layers) * hidden]``.
     """
 
     needs_hidden_states: bool = False
+    hidden_layers: tuple[int | None, ...] = (None,)
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], k: int) -> list[list[int]]:
@@ -54,7 +58,7 @@ class Proposer(ABC):
         this step). Must not mutate the sequences."""
 
     def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
-        """The target's final hidden states ``hidden [n, hidden_size]`` of ``seq``'s
+        """The target's hidden states (`hidden_layers`) ``hidden [n, ...]`` of ``seq``'s
         positions ``start .. start + n - 1``, computed this step (called after the forward
         pass, before verification: positions past the drafts accepted are rolled back, and
         ``seq.num_computed_tokens`` says how many are valid when `propose` next runs). Only
@@ -86,6 +90,7 @@ class LookupFirst(Proposer):
                  names: tuple[str, str] = ("ngram", "model")) -> None:
         self.lookup, self.model, self.names = lookup, model, names
         self.needs_hidden_states = model.needs_hidden_states
+        self.hidden_layers = model.hidden_layers
         self._looked_up: set[int] = set()  # sequences whose last drafts lookup made
 
     def propose(self, seqs: list[Sequence], k: int) -> list[list[int]]:

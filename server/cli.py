@@ -138,6 +138,8 @@ _TRAIN_MTP_FLAGS = (  # flag, train_mtp's keyword, type, help
     ("--depth", "depth", int, "chained drafts trained for"),
     ("--copy-prompts", "num_copy_prompts", int, "samples of the copying stage (0: none)"),
     ("--copy-epochs", "copy_epochs", int, "epochs of the copying stage"),
+    ("--hidden-layer", "hidden_layer", str, "the model's layer whose output the head reads: "
+                                            "a number from 1, auto or final"),
     ("--init", "init", Path, "a head written before: only the copying stage runs, on it"),
     ("--samples", "samples_file", Path, "a file keeping the generated samples, reused when "
                                         "it holds those of the same model and settings"),

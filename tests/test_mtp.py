@@ -20,7 +20,7 @@ from heron.plugins.mtp.ngram import NgramIndex
 from heron.plugins.mtp.prefix_store import PrefixStore
 from heron.plugins.mtp.prompts import COPY, copy_prompts
 from heron.plugins.mtp.train import (agreement, chain_mask, generate_samples, load_module,
-                                     new_module, train)
+                                     new_module, resolve_hidden_layer, train)
 from heron.server.metrics import Metrics
 from tests.engine_utils import assert_no_leaks, make_engine, run_to_end
 from tests.tiny_models import build_tiny
@@ -80,12 +80,24 @@ class DraftRecorder:
 
 
 @torch.no_grad()
+def hf_hidden(hf, tokens: list[int], layer: int | None = None) -> torch.Tensor:
+    """transformers' hidden states ``[1, T, H]``: the final ones, or layer ``layer``'s
+    output (counted from 1) through the final norm."""
+    out = hf.model(torch.tensor([tokens]), output_hidden_states=layer is not None)
+    if layer is None:
+        return out.last_hidden_state
+    norm = hf.model.norm if hasattr(hf.model, "norm") else hf.model.final_layernorm
+    return norm(out.hidden_states[layer])
+
+
+@torch.no_grad()
 def reference_drafts(hf, module: MtpModule, tokens: list[int], k: int,
                      threshold: float = 0.0) -> list[int]:
     """Drafts after ``tokens`` (the last not yet computed) from transformers' hidden states
-    and the reference module, chaining by rerunning the whole sequence of pairs, while the
-    product of the drafts' probabilities stays at or above ``threshold``."""
-    hidden = hf.model(torch.tensor([tokens[:-1]])).last_hidden_state
+    (those of the module's ``hidden_layer``) and the reference module, chaining by
+    rerunning the whole sequence of pairs, while the product of the drafts' probabilities
+    stays at or above ``threshold``."""
+    hidden = hf_hidden(hf, tokens[:-1], module.hidden_layer)
     pairs = torch.tensor([tokens[1:]])
     drafts, chain = [], 1.0
     for _ in range(k):
@@ -105,10 +117,16 @@ def reference_drafts(hf, module: MtpModule, tokens: list[int], k: int,
 @pytest.mark.parametrize("layout, disable_by_batch_size", [
     ("deepseek", 0), ("qwen3-next+draft-vocab", 0),
     ("deepseek", 2),  # sequences draft again after steps without drafts
+    ("deepseek+hidden-layer", 0),
 ])
 def test_drafts_equal_the_reference_modules(tmp_path, tiny, layout, disable_by_batch_size):
     path, hf, trained = tiny
-    if layout != "deepseek":  # the same weights, Qwen3-Next's names, 200 draft tokens
+    if layout == "deepseek+hidden-layer":  # the same weights reading layer 1's output
+        module = MtpModule(hf.config, hf.model.embed_tokens.weight, hf.lm_head.weight,
+                           hidden_layer=1)
+        module.load_state_dict(trained.state_dict())
+        path = with_head(tmp_path, tiny, module)
+    elif layout != "deepseek":  # the same weights, Qwen3-Next's names, 200 draft tokens
         draft_ids = torch.randperm(320, generator=torch.Generator().manual_seed(3))[:200]
         draft_ids = draft_ids.sort().values
         module = MtpModule(hf.config, hf.model.embed_tokens.weight,
@@ -128,7 +146,7 @@ def test_drafts_equal_the_reference_modules(tmp_path, tiny, layout, disable_by_b
     assert len(recorder.calls) > 12
     for tokens, drafts in recorder.calls:
         assert drafts == reference_drafts(hf, module, tokens, 3), tokens
-    if layout != "deepseek":
+    if layout.startswith("qwen3-next"):
         assert all(d in set(draft_ids.tolist()) for _, ds in recorder.calls for d in ds)
     assert_no_leaks(engine)
 
@@ -354,7 +372,36 @@ def test_a_saved_head_loads_back_to_train_on(tiny):
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[k], got[k]) for k in expected)
     assert torch.equal(loaded.head, trained.head) and loaded.draft_ids is None
+    assert loaded.hidden_layer is None
     assert all(p.requires_grad for p in loaded.layer.parameters())
+
+
+def test_a_head_reading_a_middle_layer_saves_loads_and_checks_that_layer(tmp_path, tiny):
+    path, hf, _ = tiny
+    engine = make_engine(path)
+    module = new_module(hf.config, engine.runner.model, None, hidden_layer=1)
+    module.save(tmp_path / "h.safetensors", hf.config.num_hidden_layers)
+    loaded = load_module(tmp_path / "h.safetensors", hf.config, engine.runner.model)
+    assert loaded.hidden_layer == 1
+    for layer in (0, 3):
+        module.hidden_layer = layer
+        where = with_head(tmp_path / str(layer), tiny, module)
+        with pytest.raises(ValueError, match=f"hidden_layer {layer} is not a layer of the "
+                                             "target's 1..2"):
+            make_engine(where, **MTP)
+
+
+@pytest.mark.parametrize("setting, expected", [
+    ("auto", 3), ("final", None), ("2", 2),
+    (4, None),  # the last layer's output is the final hidden state: no layer is written
+    ("5", "the model has layers 1..4"), (0, "the model has layers 1..4"),
+    ("last", "a layer number, 'auto' or 'final'")])
+def test_train_mtp_hidden_layer_settings(setting, expected):
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected):
+            resolve_hidden_layer(setting, 4)
+    else:
+        assert resolve_hidden_layer(setting, 4) == expected
 
 
 def test_agreement_is_the_first_drafts_acceptance(tiny):
@@ -427,6 +474,23 @@ def test_a_hybrids_hidden_states_are_transformers(bamba):
             expected = hf.model(torch.tensor([tokens])).last_hidden_state[0]
         got = torch.stack([rows[out.request_id, j] for j in range(len(tokens))])
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("model", ["tiny", "bamba"])
+def test_a_middle_layers_hidden_states_are_transformers(request, model):
+    """What a head reading layer 1 (Bamba's: a Mamba layer) is trained on: that layer's
+    output through the final norm, and for the teacher the final hidden states, every
+    row, as transformers computes them."""
+    path, hf = request.getfixturevalue(model)[:2]
+    engine = make_engine(path, **{"prefix_cache.enabled": False, "engine.max_num_seqs": 2})
+    samples = generate_samples(engine, PROMPTS[:3], 12, hidden_layer=1)
+    assert len(samples) == 3
+    for s in samples:
+        tokens = s.tokens[:-1]
+        torch.testing.assert_close(s.hidden, hf_hidden(hf, tokens, 1)[0], rtol=1e-4,
+                                   atol=1e-4)
+        torch.testing.assert_close(s.final, hf_hidden(hf, tokens)[0], rtol=1e-4, atol=1e-4)
+        assert s.teacher is s.final
 
 
 @pytest.mark.parametrize("overrides", [

@@ -42,12 +42,15 @@ class HybridModel:
                                               a.rope_theta, a.rope_scaling).to(device)
 
     def forward(self, batch: Batch, cache: CacheTensors,
-                hidden_out: list[torch.Tensor] | None = None) -> torch.Tensor:
+                hidden_out: list[torch.Tensor] | None = None,
+                hidden_layers: tuple[int | None, ...] = (None,)) -> torch.Tensor:
         """Logits (float32) for ``batch.logits_indices``; writes the KV of every token of the
         attention layers and leaves each sequence's slot holding its state after its last row.
-        ``hidden_out``: a list that receives the final hidden states (after the last norm)
-        of every row, for a drafter that reads them."""
+        ``hidden_out``: a list that receives, for a drafter that reads them, the hidden
+        states of every row after each of ``hidden_layers`` (None: the final ones, after
+        the last norm; ``n``: layer ``n``'s output, counted from 1, through the same norm)."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        taps = {}
         x = F.embedding(batch.input_ids, self.embed)
         if cfg.embedding_multiplier != 1.0:
             x = x * cfg.embedding_multiplier
@@ -63,10 +66,12 @@ class HybridModel:
                 else:
                     h, residual = rms_norm(x, norm, eps, residual)
                 x = block(i, layer, h, batch, cache, plan)
+            if hidden_out is not None and i + 1 in hidden_layers:
+                taps[i + 1] = rms_norm(x, self.final_norm, eps, residual)[0]
         rows = batch.logits_indices
         if hidden_out is not None:
             h, _ = rms_norm(x, self.final_norm, eps, residual)
-            hidden_out.append(h)
+            hidden_out.extend(h if n is None else taps[n] for n in hidden_layers)
             h = h.index_select(0, rows)
         else:
             h, _ = rms_norm(x.index_select(0, rows), self.final_norm, eps,

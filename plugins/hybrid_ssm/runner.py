@@ -66,4 +66,5 @@ class HybridRunner(ModelRunner):
             raise RuntimeError("the hybrid_ssm family needs the engine's state slots "
                                "(batch.state_slots_list) for its Mamba layers")
         return self.keeping_hidden_states(
-            lambda hidden: self.model.forward(batch, self.cache, hidden))
+            lambda hidden: self.model.forward(batch, self.cache, hidden,
+                                              self.hidden_states_layers))

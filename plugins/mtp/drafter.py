@@ -1,12 +1,13 @@
 """Drafting with a multi-token-prediction (MTP) module on the target's hidden states.
 
-The MTP module at position ``j`` reads the target's final hidden state ``h_j`` and the
-embedding of the token after it, ``t_{j+1}``, runs one decoder layer (attending over its
-own earlier positions) and predicts ``t_{j+2}``. After each step the engine hands the
-proposer the hidden states the target computed (`observe`); at the next step `propose`
-runs the module over the positions verified since (``j`` up to the last computed one,
-paired with the tokens the target emitted), which yields the first draft, then chains the
-module on its own output ``k - 1`` times, the previous draft as the next token.
+The MTP module at position ``j`` reads the target's final hidden state ``h_j`` (or a middle
+layer's, `MtpWeights.hidden_layer`) and the embedding of the token after it, ``t_{j+1}``,
+runs one decoder layer (attending over its own earlier positions) and predicts ``t_{j+2}``.
+After each step the engine hands the proposer the hidden states the target computed
+(`observe`); at the next step `propose` runs the module over the positions verified since
+(``j`` up to the last computed one, paired with the tokens the target emitted), which
+yields the first draft, then chains the module on its own output ``k - 1`` times, the
+previous draft as the next token.
 
 Each sequence keeps the module's K/V for its verified positions in tensors of its own
 (`_Cache`): one layer, so a few KB per token; the chained drafts' K/V are dropped again
@@ -78,6 +79,7 @@ class MtpProposer(Proposer):
         """``block_size``: the engine's, so that prefix-cache hits end on the store's
         block boundaries; ``prefix_store_bytes`` 0 keeps no `PrefixStore`."""
         self.w, self.target = weights, target
+        self.hidden_layers = (weights.hidden_layer,)
         self.confidence_threshold = confidence_threshold
         self.shape = target.shape
         self.caches: dict[int, _Cache] = {}

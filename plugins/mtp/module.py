@@ -18,10 +18,13 @@ class MtpModule(nn.Module):
     (``t_{j+1}``); returns the layer's output ``[B, T, H]`` (causal), whose `logits`
     predict ``t_{j+2}``. Training passes rows at other ``positions [T]`` (chained drafts'
     rows) with their own attention ``mask [T, T]`` (True: attends). ``embed`` and ``head``
-    (``[V', H]``, the rows of ``draft_ids``) are the target's and stay frozen."""
+    (``[V', H]``, the rows of ``draft_ids``) are the target's and stay frozen. With
+    ``hidden_layer`` the hidden states are the output of the target's layer
+    ``hidden_layer`` (`heron.plugins.mtp.weights`), not its final ones."""
 
     def __init__(self, config, embed: torch.Tensor, head: torch.Tensor,
-                 draft_ids: torch.Tensor | None = None, deepseek: bool = True) -> None:
+                 draft_ids: torch.Tensor | None = None, deepseek: bool = True,
+                 hidden_layer: int | None = None) -> None:
         super().__init__()
         from transformers import AutoModel
         config = type(config).from_dict({**config.to_dict(), "num_hidden_layers": 1})
@@ -36,6 +39,7 @@ class MtpModule(nn.Module):
         self.register_buffer("embed", embed.detach().float(), persistent=False)
         self.register_buffer("head", head.detach().float(), persistent=False)
         self.draft_ids = draft_ids
+        self.hidden_layer = hidden_layer
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor,
                 positions: torch.Tensor | None = None,
@@ -82,6 +86,8 @@ class MtpModule(nn.Module):
                       for k, v in layer.items()}}
         if self.draft_ids is not None:
             out[p + "draft_token_ids"] = self.draft_ids.long()
+        if self.hidden_layer is not None:
+            out[p + "hidden_layer"] = torch.tensor(self.hidden_layer)
         return {k: v.detach().float().contiguous() if v.is_floating_point() else v.contiguous()
                 for k, v in out.items()}
 

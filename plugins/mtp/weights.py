@@ -15,7 +15,11 @@ heron's extension, written by ``heron train-mtp``: ``{prefix}draft_token_ids`` (
 ``[V']``) restricts drafting to a frequency-ranked subset of the vocabulary; the head's rows
 (``shared_head.head``, or the target's head when absent) are then those tokens' only. On a
 CPU the full LM head costs a quarter of a small model's decode step; a few thousand rows
-cost almost nothing, and the tokens outside them are rarely the next one.
+cost almost nothing, and the tokens outside them are rarely the next one. And
+``{prefix}hidden_layer`` (int64 scalar ``n``): the head reads the output of the target's layer
+``n`` (through the target's final norm) instead of its final hidden state. A middle layer
+still says which token each position holds, which one attention layer needs to copy text
+from the prompt; the last layer mostly says what comes next.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ class MtpWeights:
     #: state chained to the next draft is the layer's output before ``out_norm``.
     #: Qwen3-Next: the embedding is kept, and the chained state is after ``out_norm``.
     deepseek: bool
+    hidden_layer: int | None = None  # the target layer whose output it reads; None: final
 
 
 def _keys(path: Path) -> list[str]:
@@ -121,6 +126,12 @@ def load_mtp(path: Path, target: DraftTarget,
     w = Weights(load_safetensors(path, torch.float32, keep=lambda n: n.startswith(prefix)),
                 device, dtype)
     draft_ids = w.tensors.pop(prefix + "draft_token_ids", None)
+    hidden_layer = w.tensors.pop(prefix + "hidden_layer", None)
+    if hidden_layer is not None:
+        hidden_layer = int(hidden_layer)
+        if not 1 <= hidden_layer <= target.num_layers:
+            raise ValueError(f"MTP weights in {str(path)!r}: hidden_layer {hidden_layer} is "
+                             f"not a layer of the target's 1..{target.num_layers}")
     cfg = target.flags
     try:
         if deepseek:
@@ -159,7 +170,7 @@ def load_mtp(path: Path, target: DraftTarget,
         hidden_norm=hidden_norm, proj=pack_weight(proj), layer=layer, out_norm=out_norm,
         head=head,
         draft_token_ids=None if draft_ids is None else draft_ids.to(device),
-        deepseek=deepseek)
+        deepseek=deepseek, hidden_layer=hidden_layer)
     if projection_dtype not in (None, dtype):
         _cast_projections(weights, projection_dtype)
     return weights

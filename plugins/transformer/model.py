@@ -178,11 +178,14 @@ class TransformerModel:
         self.unused_tensors = sorted(k for k in w.tensors if "rotary_emb" not in k)
 
     def forward(self, batch: Batch, cache: CacheTensors,
-                hidden_out: list[torch.Tensor] | None = None) -> torch.Tensor:
+                hidden_out: list[torch.Tensor] | None = None,
+                hidden_layers: tuple[int | None, ...] = (None,)) -> torch.Tensor:
         """Logits (float32) for ``batch.logits_indices``; writes every token's KV.
-        ``hidden_out``: a list that receives the final hidden states (after the last norm)
-        of every row, for a drafter that reads them."""
+        ``hidden_out``: a list that receives, for a drafter that reads them, the hidden
+        states of every row after each of ``hidden_layers`` (None: the final ones, after
+        the last norm; ``n``: layer ``n``'s output, counted from 1, through the same norm)."""
         eps = self.cfg.rms_norm_eps
+        taps = {}
         x = F.embedding(batch.input_ids, self.embed)
         loras = layer_loras(cache.lora, cache.lora_scaling, batch.lora_groups,
                             batch.num_tokens, len(self.layers))
@@ -198,10 +201,12 @@ class TransformerModel:
             h, residual = rms_norm(x, layer.post_norm, eps, residual)
             x = gated_mlp(h, layer.gate_up, layer.down, layer.gate_up_bias, layer.down_bias,
                           loras[i])
+            if hidden_out is not None and i + 1 in hidden_layers:
+                taps[i + 1] = rms_norm(x, self.final_norm, eps, residual)[0]
         rows = batch.logits_indices
         if hidden_out is not None:
             h, _ = rms_norm(x, self.final_norm, eps, residual)
-            hidden_out.append(h)
+            hidden_out.extend(h if n is None else taps[n] for n in hidden_layers)
             return linear(h.index_select(0, rows), self.lm_head).float()
         h, _ = rms_norm(x.index_select(0, rows), self.final_norm, eps,
                         residual.index_select(0, rows))

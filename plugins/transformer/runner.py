@@ -39,4 +39,5 @@ class TransformerRunner(ModelRunner):
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
         return self.keeping_hidden_states(
-            lambda hidden: self.model.forward(batch, self.cache, hidden))
+            lambda hidden: self.model.forward(batch, self.cache, hidden,
+                                              self.hidden_states_layers))
