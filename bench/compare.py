@@ -28,7 +28,6 @@ import asyncio
 import datetime as dt
 import json
 import os
-import platform
 import signal
 import socket
 import subprocess
@@ -39,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.loadgen import load_workload, run
+from bench.machine import describe
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = Path(os.environ.get("HERON_PEERS", Path.home() / ".cache/heron/peers"))
@@ -279,8 +279,7 @@ def main() -> None:
     log_dir.mkdir(exist_ok=True)
     results = {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"cpu": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "threads": args.threads},
+        "machine": {**describe(), "threads": args.threads},
         "workload": {"name": args.workload, "max_tokens": args.max_tokens,
                      "requests_per_client": args.requests_per_client, "greedy": True,
                      "rounds": args.rounds,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import platform
 import random
 import statistics
 import tempfile
@@ -28,6 +27,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from bench.machine import describe
 
 CONFIGS = {
     "a_off": {"prefix_cache.enabled": False},
@@ -147,8 +148,7 @@ def main() -> None:
     b, d = results["b_every_block_lru"], results["d_marconi_flop_aware"]
     summary = {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"cpu": platform.processor() or platform.machine(),
-                    "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "machine": describe(),
         "workload": {k: v for k, v in vars(args).items() if k != "out"},
         "results": results,
         "hit_rate_d_over_b": d["token_hit_rate"] / b["token_hit_rate"] if b["token_hit_rate"]

@@ -17,12 +17,13 @@ import copy
 import datetime as dt
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from bench.machine import describe
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -109,8 +110,7 @@ def main() -> None:
     lora = max(lora_runs, key=lambda r: r["tokens_per_s"])
     results = {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"cpu": platform.processor() or platform.machine(),
-                    "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "machine": {**describe(),
                     # many small ops per step: LoRA slows far more than the base model
                     # when other processes compete for the cores
                     "load_avg_1m_at_end": os.getloadavg()[0]},

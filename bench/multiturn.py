@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import datetime as dt
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import openai
 import torch
 from aiohttp import web
 
+from bench.machine import describe
 from bench.workloads import FOLLOW_UPS, policy_question, system_prompt
 
 def percentile(xs: list[float], q: int) -> float:
@@ -140,8 +140,7 @@ def main() -> None:
     pairs = [(a, b) for ca, cb in zip(on.pop("texts"), off.pop("texts")) for a, b in zip(ca, cb)]
     results = {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"cpu": platform.processor() or platform.machine(),
-                    "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "machine": describe(),
         "workload": {"conversations": args.conversations, "turns": args.turns,
                      "max_tokens": args.max_tokens, "system_sentences": args.system_sentences,
                      "first_turn_prompt_tokens": on["first_turn_prompt_tokens"],

@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 
+from bench.machine import describe
 from bench.workloads import chat_prompts
 
 
@@ -89,8 +89,7 @@ def main() -> None:
     messages = chat_prompts(args.num_prompts)
     results = {
         "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"cpu": platform.processor() or platform.machine(),
-                    "threads": torch.get_num_threads(), "torch": torch.__version__},
+        "machine": describe(),
         "workload": {"prompts": args.num_prompts, "max_tokens": args.max_tokens,
                      "concurrency": args.concurrency, "model": model_path.name,
                      "dtype": "float32", "greedy": True, "ignore_eos": True},

@@ -30,13 +30,14 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from bench.machine import describe
 
 if TYPE_CHECKING:
     from heron.core.speculative import SpecStats
@@ -216,7 +217,7 @@ def main() -> int:
         for entry in entries.values():
             entry.pop("outputs")
     result = {"date": dt.datetime.now().isoformat(timespec="seconds"),
-              "machine": platform.processor() or platform.machine(), "threads": args.threads,
+              "machine": describe(), "threads": args.threads,
               "model": model_path.name, "max_tokens": args.max_tokens,
               "num_speculative_tokens": args.num_speculative_tokens,
               "draft_dtype": args.draft_dtype, "repeats": args.repeats,

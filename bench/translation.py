@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import platform
 import random
 import statistics
 import sys
@@ -39,6 +38,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from bench.machine import describe
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
@@ -196,7 +197,7 @@ def main() -> int:
                       f"{min(rounds):.2f}-{max(rounds):.2f}x); lengths {heron['lengths']}",
                       flush=True)
     result = {"date": dt.datetime.now().isoformat(timespec="seconds"),
-              "machine": platform.processor() or platform.machine(), "threads": args.threads,
+              "machine": describe(), "threads": args.threads,
               "model": {"layers": "6+6", **SHAPE, "vocab": len(tok),
                         "eos_boost": args.eos_boost},
               "sentences": args.sentences, "max_tokens": args.max_tokens, "runs": runs}
