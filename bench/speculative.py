@@ -8,9 +8,12 @@ Two workloads, greedy, chat template, ``--max-tokens`` tokens per answer:
   prompts do not use (nothing to look up; the MTP head must predict the model).
 
 For each workload and method (none, then each in ``--methods``, then none again),
-single-stream (one request at a time) and at ``--concurrency`` requests: decode tokens/s,
-and for the drafting methods the acceptance rate, the acceptance per draft position, the
-mean accepted length and the speedup over the faster of the two runs without drafts.
+single-stream (one request at a time) and at ``--concurrency`` requests: decode tokens/s
+(from the step that gave a group of requests its last first token to the group's end:
+prefill is the same with drafts or without) and tokens/s with prefill, and for the
+drafting methods the acceptance rate, the acceptance per draft position, the mean accepted
+length and the speedup (decode, and with prefill) over the faster of the two runs without
+drafts.
 Answers with drafts must equal the answers without. JSON to
 bench/results/speculative-<date>.json. Method ``mtp`` drafts with the head ``--mtp-head``
 (``make bench-speculative`` trains it once with ``heron train-mtp``), once for each
@@ -78,12 +81,32 @@ def workload_prompts(name: str) -> list[str]:
     return [WRITE_FORMS[i % 2].format(s) for i, s in enumerate(WRITE_SUBJECTS)]
 
 
-def run(engine, prompts, params, concurrency: int) -> tuple[list[list[int]], float]:
-    outputs, start = [], time.perf_counter()
+def run(engine, prompts, params, concurrency: int) -> dict:
+    """``prompts`` in groups of ``concurrency`` run together: the answers, the seconds in
+    all, and the decode part (prefill is the same with drafts or without): the seconds from
+    the end of the step that gave a group's last first token to the group's end, and the
+    tokens emitted in them."""
+    outputs, decode_seconds, decode_tokens = [], 0.0, 0
+    start = time.perf_counter()
     for i in range(0, len(prompts), concurrency):
-        outs = engine.generate(prompts[i:i + concurrency], params)
-        outputs += [o.outputs[0].token_ids for o in outs]
-    return outputs, time.perf_counter() - start
+        group = prompts[i:i + concurrency]
+        ids = [f"{i}-{j}" for j in range(len(group))]
+        for rid, prompt in zip(ids, group):
+            engine.add_request(rid, prompt, params)
+        answers: dict[str, list[int]] = {}  # so far
+        finished, decoding_since, prefilled = 0, None, 0
+        while finished < len(ids):
+            for out in engine.step():
+                answers[out.request_id] = out.outputs[0].token_ids
+                finished += out.finished
+            if decoding_since is None and len(answers) == len(ids):
+                decoding_since = time.perf_counter()
+                prefilled = sum(map(len, answers.values()))
+        decode_seconds += time.perf_counter() - decoding_since
+        decode_tokens += sum(map(len, answers.values())) - prefilled
+        outputs += [answers[rid] for rid in ids]
+    return {"outputs": outputs, "seconds": time.perf_counter() - start,
+            "decode_seconds": decode_seconds, "decode_tokens": decode_tokens}
 
 
 def draft_counts(s: SpecStats) -> dict:
@@ -122,15 +145,18 @@ def bench(model_path: Path, method: str, workloads: list[str], k: int, max_token
                    for m in workload_prompts(workload)]
         engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
         for mode, c in (("single", 1), (f"c={concurrency}", concurrency)):
-            times = []
+            runs = []
             for _ in range(repeats):  # the fastest counts; greedy: the same tokens each time
                 engine.spec_stats = SpecStats()  # this run's counts alone
-                outputs, seconds = run(engine, prompts, params, c)
-                times.append(seconds)
-            seconds = min(times)
-            tokens = sum(map(len, outputs))
-            entry = {"output_tokens": tokens, "seconds": seconds,
-                     "tokens_per_s": tokens / seconds, "outputs": outputs}
+                runs.append(run(engine, prompts, params, c))
+            best = min(runs, key=lambda r: r["decode_seconds"])
+            tokens = sum(map(len, best["outputs"]))
+            entry = {"output_tokens": tokens, "seconds": best["seconds"],
+                     "tokens_per_s": tokens / best["seconds"],
+                     "decode_tokens": best["decode_tokens"],
+                     "decode_seconds": best["decode_seconds"],
+                     "decode_tokens_per_s": best["decode_tokens"] / best["decode_seconds"],
+                     "outputs": best["outputs"]}
             if method:
                 entry.update(draft_counts(engine.spec_stats))
             result[f"{workload}, {mode}"] = entry
@@ -199,17 +225,21 @@ def main() -> int:
     # without drafts once more, last: each speedup is against the faster of the two runs,
     # so that a slow moment of the machine during the first does not flatter the methods
     runs["none, again"] = without_drafts()
-    baseline = {mode: max(entry["tokens_per_s"], runs["none, again"][mode]["tokens_per_s"])
-                for mode, entry in base.items()}
+    def baseline(mode, rate):
+        return max(base[mode][rate], runs["none, again"][mode][rate])
+
     for name, result in runs.items():
         for mode, entry in result.items():
             if entry["outputs"] != base[mode]["outputs"]:
                 raise SystemExit(f"{name} {mode}: answers differ from those without drafts")
             if name.startswith("none"):
                 continue
-            entry["speedup"] = entry["tokens_per_s"] / baseline[mode]
-            print(f"{name} {mode}: {entry['tokens_per_s']:.1f} tok/s vs "
-                  f"{baseline[mode]:.1f} without ({entry['speedup']:.2f}x); "
+            decode = baseline(mode, "decode_tokens_per_s")
+            entry["speedup"] = entry["decode_tokens_per_s"] / decode
+            entry["end_to_end_speedup"] = entry["tokens_per_s"] / baseline(mode, "tokens_per_s")
+            print(f"{name} {mode}: decode {entry['decode_tokens_per_s']:.1f} tok/s vs "
+                  f"{decode:.1f} without ({entry['speedup']:.2f}x; with prefill "
+                  f"{entry['end_to_end_speedup']:.2f}x); "
                   f"acceptance {entry['acceptance_rate']:.2f}, per position "
                   f"{[round(a, 2) for a in entry['acceptance_per_position']]}, mean accepted "
                   f"length {entry['mean_accepted_length']:.2f}", flush=True)
