@@ -71,7 +71,7 @@ bench-translation: setup
 bench-speculative: setup $(MTP_HEAD)
 	$(BIN)/python -m bench.speculative --methods ngram mtp --mtp-head $(MTP_HEAD) \
 		--confidence-thresholds 0 0.25 --disable-by-batch-size 4 --draft-dtype bfloat16 \
-		--prompt-lookup --repeats 2
+		--prompt-lookup
 
 bench-soak: setup
 	$(BIN)/python -m bench.soak

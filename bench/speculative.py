@@ -7,25 +7,27 @@ Two workloads, greedy, chat template, ``--max-tokens`` tokens per answer:
 - ``write``, open-ended: short pieces on subjects and in forms that ``heron train-mtp``'s
   prompts do not use (nothing to look up; the MTP head must predict the model).
 
-For each workload and method (none, then each in ``--methods``, then none again),
-single-stream (one request at a time) and at ``--concurrency`` requests: decode tokens/s
-(from the step that gave a group of requests its last first token to the group's end:
-prefill is the same with drafts or without) and tokens/s with prefill, and for the
-drafting methods the acceptance rate, the acceptance per draft position, the mean accepted
-length and the speedup (decode, and with prefill) over the faster of the two runs without
-drafts.
-Answers with drafts must equal the answers without. JSON to
-bench/results/speculative-<date>.json. Method ``mtp`` drafts with the head ``--mtp-head``
-(``make bench-speculative`` trains it once with ``heron train-mtp``), once for each
-``--confidence-thresholds`` value, its projections in ``--draft-dtype``; with
-``--disable-by-batch-size N`` each method runs once more without drafts in steps of more
-than N sequences; with ``--prompt-lookup`` mtp runs once more with prompt lookup first.
-With ``--prefix-cache`` every run has the prefix cache on (repeats hit it), the MTP head
-keeping ``--prefix-store-mb`` of its K/V of prompt blocks for them.
+Variants: none, each of ``--methods``, and the settings below. Each variant has its engine,
+all built first; after one untimed round, ``--repeats`` timed rounds in which every
+workload and mode runs on every variant back to back, so that the machine's slow spells fall
+on a cell's variants alike. The modes: single-stream (one request at a time) and
+``--concurrency`` requests at once. Measured: decode tokens/s (from the step that gave a
+group of requests its last first token to the group's end: prefill is the same with drafts
+or without) and tokens/s with prefill; for the drafting methods the acceptance rate, the
+acceptance per draft position, the mean accepted length, and the speedup over none: the
+median of the rounds' ratios (decode, and with prefill). Answers with drafts must equal the
+answers without. JSON to bench/results/speculative-<date>.json. Method ``mtp`` drafts with
+the head ``--mtp-head`` (``make bench-speculative`` trains it once with ``heron
+train-mtp``), once for each ``--confidence-thresholds`` value, its projections in
+``--draft-dtype``; with ``--disable-by-batch-size N`` each method runs once more without
+drafts in steps of more than N sequences; with ``--prompt-lookup`` mtp runs once more with
+prompt lookup first. With ``--prefix-cache`` every run has the prefix cache on (the timed
+rounds hit it), the MTP head keeping ``--prefix-store-mb`` of its K/V of prompt blocks for
+them.
 
     python -m bench.speculative [--methods ngram mtp] [--mtp-head H] [--num-speculative-tokens 3]
         [--confidence-thresholds 0 0.2] [--disable-by-batch-size 4]
-        [--draft-dtype bfloat16] [--prompt-lookup] [--repeats 2] [--prefix-cache]
+        [--draft-dtype bfloat16] [--prompt-lookup] [--repeats 3] [--prefix-cache]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -120,47 +123,66 @@ def draft_counts(s: SpecStats) -> dict:
     return counts
 
 
-def bench(model_path: Path, method: str, workloads: list[str], k: int, max_tokens: int,
-          concurrency: int, mtp_head: Path | None = None, threshold: float = 0.0,
-          disable_by_batch_size: int = 0, draft_dtype: str = "auto",
-          prompt_lookup: bool = False, repeats: int = 1, prefix_cache: bool = False,
-          prefix_store_mb: float = 64.0) -> dict:
-    from heron.core import Engine, SamplingParams, load_config
-    from heron.core.speculative import SpecStats
+def build_engine(model_path: Path, concurrency: int, method: str = "", k: int = 3,
+                 mtp_head: Path | None = None, threshold: float = 0.0,
+                 disable_by_batch_size: int = 0, draft_dtype: str = "auto",
+                 prompt_lookup: bool = False, prefix_cache: bool = False,
+                 prefix_store_mb: float = 64.0):
+    from heron.core import Engine, load_config
 
-    engine = Engine(load_config(None, {
+    return Engine(load_config(None, {
         "model.path": str(model_path), "model.dtype": "float32", "model.device": "cpu",
-        # with the prefix cache a repeat hits it: prefill is skipped, and the MTP head
-        # reads the prompt's K/V from its prefix store (prefix_store_mb)
+        # every variant's engine lives through the whole run: a small KV pool each
+        "engine.kv_cache_memory_gb": 0.25, "model.max_model_len": 2048,
+        "engine.max_num_seqs": concurrency,
+        # with the prefix cache the timed rounds hit it: prefill is skipped, and the MTP
+        # head reads the prompt's K/V from its prefix store (prefix_store_mb)
         "prefix_cache.enabled": prefix_cache, "speculative.prefix_store_mb": prefix_store_mb,
-        "engine.max_num_seqs": concurrency, "speculative.method": method,
-        "speculative.num_speculative_tokens": k, "speculative.confidence_threshold": threshold,
+        "speculative.method": method, "speculative.num_speculative_tokens": k,
+        "speculative.confidence_threshold": threshold,
         "speculative.disable_by_batch_size": disable_by_batch_size,
         "speculative.draft_dtype": draft_dtype, "speculative.prompt_lookup": prompt_lookup,
         "speculative.model": str(mtp_head) if method == "mtp" else ""}))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    result = {}
-    for workload in workloads:
-        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": m}])
-                   for m in workload_prompts(workload)]
-        engine.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-        for mode, c in (("single", 1), (f"c={concurrency}", concurrency)):
-            runs = []
-            for _ in range(repeats):  # the fastest counts; greedy: the same tokens each time
-                engine.spec_stats = SpecStats()  # this run's counts alone
-                runs.append(run(engine, prompts, params, c))
-            best = min(runs, key=lambda r: r["decode_seconds"])
-            tokens = sum(map(len, best["outputs"]))
-            entry = {"output_tokens": tokens, "seconds": best["seconds"],
-                     "tokens_per_s": tokens / best["seconds"],
-                     "decode_tokens": best["decode_tokens"],
-                     "decode_seconds": best["decode_seconds"],
-                     "decode_tokens_per_s": best["decode_tokens"] / best["decode_seconds"],
-                     "outputs": best["outputs"]}
-            if method:
-                entry.update(draft_counts(engine.spec_stats))
-            result[f"{workload}, {mode}"] = entry
-    return result
+
+
+def variants(args) -> dict[str, dict]:
+    """Each variant's name and `build_engine` settings: none first."""
+    out = {"none": {}}
+    for method in args.methods:
+        for threshold in (args.confidence_thresholds if method == "mtp" else [0.0]):
+            name = f"{method}, confidence >= {threshold}" if threshold else method
+            out[name] = {"method": method, "threshold": threshold}
+    if args.prompt_lookup and "mtp" in args.methods:
+        out["mtp, prompt_lookup"] = {"method": "mtp", "prompt_lookup": True}
+    if args.disable_by_batch_size:
+        for method in args.methods:
+            out[f"{method}, disable_by_batch_size = {args.disable_by_batch_size}"] = {
+                "method": method, "disable_by_batch_size": args.disable_by_batch_size}
+    for settings in out.values():
+        if settings.get("method") == "mtp":
+            settings.update(mtp_head=args.mtp_head, draft_dtype=args.draft_dtype,
+                            prefix_store_mb=args.prefix_store_mb)
+    return out
+
+
+def summarise(rounds: list[dict], baseline: list[dict] | None, stats) -> dict:
+    """One variant's cell (workload and mode) over the rounds: the last round's counts and
+    rates; with ``baseline`` (the rounds of the run without drafts), the speedup as the
+    median of the rounds' ratios (decode, and with prefill) and their range."""
+    last = rounds[-1]
+    tokens = sum(map(len, last["outputs"]))
+    entry = {"output_tokens": tokens, "seconds": last["seconds"],
+             "tokens_per_s": tokens / last["seconds"], "decode_tokens": last["decode_tokens"],
+             "decode_seconds": last["decode_seconds"],
+             "decode_tokens_per_s": last["decode_tokens"] / last["decode_seconds"],
+             "rounds_decode_tokens_per_s": [r["decode_tokens"] / r["decode_seconds"]
+                                            for r in rounds]}
+    if baseline is not None:
+        decode = [b["decode_seconds"] / r["decode_seconds"] for r, b in zip(rounds, baseline)]
+        whole = [b["seconds"] / r["seconds"] for r, b in zip(rounds, baseline)]
+        entry.update(speedup=statistics.median(decode), round_speedups=decode,
+                     end_to_end_speedup=statistics.median(whole), **draft_counts(stats))
+    return entry
 
 
 def main() -> int:
@@ -181,11 +203,12 @@ def main() -> int:
     parser.add_argument("--prompt-lookup", action="store_true",
                         help="mtp runs once more with [speculative] prompt_lookup")
     parser.add_argument("--prefix-cache", action="store_true",
-                        help="every run with the prefix cache on (repeats hit it)")
+                        help="every run with the prefix cache on (the timed rounds hit it)")
     parser.add_argument("--prefix-store-mb", type=float, default=64.0,
                         help="[speculative] prefix_store_mb of the mtp runs")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="runs of each workload and mode; the fastest counts")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed rounds, after one untimed; the median of their ratios "
+                             "counts")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
@@ -198,54 +221,55 @@ def main() -> int:
     if set(WRITE_SUBJECTS) & set(SUBJECTS):
         raise SystemExit("the write workload's subjects must be held out from train-mtp's")
     torch.set_num_threads(args.threads)
+    from heron.core import SamplingParams
     from heron.core.default_model import ensure_default_model
+    from heron.core.speculative import SpecStats
     model_path = ensure_default_model()
 
-    def without_drafts():
-        return bench(model_path, "", args.workloads, args.num_speculative_tokens,
-                     args.max_tokens, args.concurrency, repeats=args.repeats,
-                     prefix_cache=args.prefix_cache)
-
-    base = without_drafts()
-    runs = {"none": base}
-    variants = [(m, t, 0, False) for m in args.methods
-                for t in (args.confidence_thresholds if m == "mtp" else [0.0])]
-    if args.prompt_lookup and "mtp" in args.methods:
-        variants.append(("mtp", 0.0, 0, True))
-    if args.disable_by_batch_size:
-        variants += [(m, 0.0, args.disable_by_batch_size, False) for m in args.methods]
-    for method, threshold, disable, lookup in variants:
-        name = (f"{method}, confidence >= {threshold}" if threshold else
-                f"{method}, disable_by_batch_size = {disable}" if disable else
-                f"{method}, prompt_lookup" if lookup else method)
-        runs[name] = bench(model_path, method, args.workloads, args.num_speculative_tokens,
-                           args.max_tokens, args.concurrency, args.mtp_head, threshold,
-                           disable, args.draft_dtype, lookup, args.repeats,
-                           args.prefix_cache, args.prefix_store_mb)
-    # without drafts once more, last: each speedup is against the faster of the two runs,
-    # so that a slow moment of the machine during the first does not flatter the methods
-    runs["none, again"] = without_drafts()
-    def baseline(mode, rate):
-        return max(base[mode][rate], runs["none, again"][mode][rate])
-
-    for name, result in runs.items():
-        for mode, entry in result.items():
-            if entry["outputs"] != base[mode]["outputs"]:
-                raise SystemExit(f"{name} {mode}: answers differ from those without drafts")
-            if name.startswith("none"):
+    settings = variants(args)
+    engines = {name: build_engine(model_path, args.concurrency,
+                                  k=args.num_speculative_tokens,
+                                  prefix_cache=args.prefix_cache, **kw)
+               for name, kw in settings.items()}
+    chat = engines["none"].tokenizer.apply_chat_template
+    prompts = {w: [chat([{"role": "user", "content": m}]) for m in workload_prompts(w)]
+               for w in args.workloads}
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    cells = [(w, mode, c) for w in args.workloads
+             for mode, c in (("single", 1), (f"c={args.concurrency}", args.concurrency))]
+    # Round 0 is untimed (oneDNN builds a kernel for each new row count once per process).
+    # In each cell every variant runs back to back, so that the machine's slow spells,
+    # which come and go over minutes, fall on a cell's variants alike.
+    timed = {name: {f"{w}, {mode}": [] for w, mode, _ in cells} for name in engines}
+    stats: dict[tuple[str, str], SpecStats] = {}
+    for round_ in range(args.repeats + 1):
+        for workload, mode, c in cells:
+            for name, engine in engines.items():
+                engine.spec_stats = SpecStats()  # this run's counts alone
+                result = run(engine, prompts[workload], params, c)
+                if round_:
+                    timed[name][f"{workload}, {mode}"].append(result)
+                    stats[name, f"{workload}, {mode}"] = engine.spec_stats
+    runs = {}
+    for name, cells_ in timed.items():
+        runs[name] = {}
+        for cell, rounds in cells_.items():
+            base = timed["none"][cell]
+            for r in rounds:
+                if r["outputs"] != base[0]["outputs"]:
+                    raise SystemExit(f"{name} {cell}: answers differ from those without drafts")
+            entry = summarise(rounds, None if name == "none" else base, stats[name, cell])
+            runs[name][cell] = entry
+            if name == "none":
                 continue
-            decode = baseline(mode, "decode_tokens_per_s")
-            entry["speedup"] = entry["decode_tokens_per_s"] / decode
-            entry["end_to_end_speedup"] = entry["tokens_per_s"] / baseline(mode, "tokens_per_s")
-            print(f"{name} {mode}: decode {entry['decode_tokens_per_s']:.1f} tok/s vs "
-                  f"{decode:.1f} without ({entry['speedup']:.2f}x; with prefill "
+            print(f"{name} {cell}: decode {entry['decode_tokens_per_s']:.1f} tok/s vs "
+                  f"{runs['none'][cell]['decode_tokens_per_s']:.1f} without, "
+                  f"{entry['speedup']:.2f}x (rounds {min(entry['round_speedups']):.2f}-"
+                  f"{max(entry['round_speedups']):.2f}x; with prefill "
                   f"{entry['end_to_end_speedup']:.2f}x); "
                   f"acceptance {entry['acceptance_rate']:.2f}, per position "
                   f"{[round(a, 2) for a in entry['acceptance_per_position']]}, mean accepted "
                   f"length {entry['mean_accepted_length']:.2f}", flush=True)
-    for entries in runs.values():
-        for entry in entries.values():
-            entry.pop("outputs")
     result = {"date": dt.datetime.now().isoformat(timespec="seconds"),
               "machine": describe(), "threads": args.threads,
               "model": model_path.name, "max_tokens": args.max_tokens,
