@@ -166,22 +166,23 @@ def variants(args) -> dict[str, dict]:
 
 
 def summarise(rounds: list[dict], baseline: list[dict] | None, stats) -> dict:
-    """One variant's cell (workload and mode) over the rounds: the last round's counts and
-    rates; with ``baseline`` (the rounds of the run without drafts), the speedup as the
-    median of the rounds' ratios (decode, and with prefill) and their range."""
-    last = rounds[-1]
-    tokens = sum(map(len, last["outputs"]))
-    entry = {"output_tokens": tokens, "seconds": last["seconds"],
-             "tokens_per_s": tokens / last["seconds"], "decode_tokens": last["decode_tokens"],
-             "decode_seconds": last["decode_seconds"],
-             "decode_tokens_per_s": last["decode_tokens"] / last["decode_seconds"],
-             "rounds_decode_tokens_per_s": [r["decode_tokens"] / r["decode_seconds"]
-                                            for r in rounds]}
+    """One variant's cell (workload and mode) over the rounds: the median round's rates
+    (decode, and with prefill), every round's, and the last round's drafting counts; with
+    ``baseline`` (the rounds of the run without drafts), the speedup as the median of the
+    rounds' ratios (decode, and with prefill) and their range."""
+    decode = [r["decode_tokens"] / r["decode_seconds"] for r in rounds]
+    whole = [sum(map(len, r["outputs"])) / r["seconds"] for r in rounds]
+    entry = {"output_tokens": sum(map(len, rounds[-1]["outputs"])),
+             "decode_tokens": rounds[-1]["decode_tokens"],
+             "decode_tokens_per_s": statistics.median(decode),
+             "tokens_per_s": statistics.median(whole),
+             "rounds_decode_tokens_per_s": decode, "rounds_tokens_per_s": whole}
     if baseline is not None:
-        decode = [b["decode_seconds"] / r["decode_seconds"] for r, b in zip(rounds, baseline)]
-        whole = [b["seconds"] / r["seconds"] for r, b in zip(rounds, baseline)]
-        entry.update(speedup=statistics.median(decode), round_speedups=decode,
-                     end_to_end_speedup=statistics.median(whole), **draft_counts(stats))
+        ratios = [b["decode_seconds"] / r["decode_seconds"] for r, b in zip(rounds, baseline)]
+        entry.update(speedup=statistics.median(ratios), round_speedups=ratios,
+                     end_to_end_speedup=statistics.median(
+                         b["seconds"] / r["seconds"] for r, b in zip(rounds, baseline)),
+                     **draft_counts(stats))
     return entry
 
 
