@@ -165,23 +165,29 @@ def variants(args) -> dict[str, dict]:
     return out
 
 
+def rates(rounds: list[dict]) -> tuple[list[float], list[float]]:
+    """Each round's decode tokens/s and tokens/s with prefill."""
+    return ([r["decode_tokens"] / r["decode_seconds"] for r in rounds],
+            [sum(map(len, r["outputs"])) / r["seconds"] for r in rounds])
+
+
 def summarise(rounds: list[dict], baseline: list[dict] | None, stats) -> dict:
     """One variant's cell (workload and mode) over the rounds: the median round's rates
     (decode, and with prefill), every round's, and the last round's drafting counts; with
     ``baseline`` (the rounds of the run without drafts), the speedup as the median of the
-    rounds' ratios (decode, and with prefill) and their range."""
-    decode = [r["decode_tokens"] / r["decode_seconds"] for r in rounds]
-    whole = [sum(map(len, r["outputs"])) / r["seconds"] for r in rounds]
+    rounds' ratios of rates (decode, and with prefill) and their range."""
+    decode, whole = rates(rounds)
     entry = {"output_tokens": sum(map(len, rounds[-1]["outputs"])),
              "decode_tokens": rounds[-1]["decode_tokens"],
              "decode_tokens_per_s": statistics.median(decode),
              "tokens_per_s": statistics.median(whole),
              "rounds_decode_tokens_per_s": decode, "rounds_tokens_per_s": whole}
     if baseline is not None:
-        ratios = [b["decode_seconds"] / r["decode_seconds"] for r, b in zip(rounds, baseline)]
+        base_decode, base_whole = rates(baseline)
+        ratios = [r / b for r, b in zip(decode, base_decode)]
         entry.update(speedup=statistics.median(ratios), round_speedups=ratios,
                      end_to_end_speedup=statistics.median(
-                         b["seconds"] / r["seconds"] for r, b in zip(rounds, baseline)),
+                         r / b for r, b in zip(whole, base_whole)),
                      **draft_counts(stats))
     return entry
 
@@ -236,21 +242,21 @@ def main() -> int:
     prompts = {w: [chat([{"role": "user", "content": m}]) for m in workload_prompts(w)]
                for w in args.workloads}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    cells = [(w, mode, c) for w in args.workloads
+    cells = [(f"{w}, {mode}", w, c) for w in args.workloads
              for mode, c in (("single", 1), (f"c={args.concurrency}", args.concurrency))]
     # Round 0 is untimed (oneDNN builds a kernel for each new row count once per process).
     # In each cell every variant runs back to back, so that the machine's slow spells,
     # which come and go over minutes, fall on a cell's variants alike.
-    timed = {name: {f"{w}, {mode}": [] for w, mode, _ in cells} for name in engines}
+    timed = {name: {cell: [] for cell, _, _ in cells} for name in engines}
     stats: dict[tuple[str, str], SpecStats] = {}
     for round_ in range(args.repeats + 1):
-        for workload, mode, c in cells:
+        for cell, workload, c in cells:
             for name, engine in engines.items():
                 engine.spec_stats = SpecStats()  # this run's counts alone
                 result = run(engine, prompts[workload], params, c)
                 if round_:
-                    timed[name][f"{workload}, {mode}"].append(result)
-                    stats[name, f"{workload}, {mode}"] = engine.spec_stats
+                    timed[name][cell].append(result)
+                    stats[name, cell] = engine.spec_stats
     runs = {}
     for name, cells_ in timed.items():
         runs[name] = {}
