@@ -102,6 +102,9 @@ class Batch:
     # LoRA: (adapter slot, first row, end row) per run of rows using one adapter; the
     # engine orders sequences by adapter, so that is one segment per adapter
     lora_groups: list[tuple[int, int, int]] = field(default_factory=list)
+    # the same per row: [T] int64 adapter slot, -1 for none; None when no row has one. A
+    # captured graph's batch has this alone (no host-side groups)
+    lora_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

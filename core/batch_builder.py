@@ -51,9 +51,11 @@ class BatchBuilder:
             qsl.append(qsl[-1] + n)
         dev = self.device
         lora_segments: list[tuple[int, int, int]] = []
+        lora_rows: list[int] = []
         row = 0
         for item in scheduled:
             slot, end = item.seq.lora_slot, row + item.num_tokens
+            lora_rows += [-1 if slot is None else slot] * item.num_tokens
             if slot is not None:
                 if lora_segments and lora_segments[-1][0] == slot and lora_segments[-1][2] == row:
                     lora_segments[-1] = (slot, lora_segments[-1][1], end)
@@ -79,4 +81,7 @@ class BatchBuilder:
             state_slots=(None if slot_list is None else
                          torch.tensor(slot_list, dtype=torch.int64).to(dev, non_blocking=True)),
             state_slots_list=slot_list,
-            lora_groups=lora_segments)
+            lora_groups=lora_segments,
+            lora_slots=(torch.tensor(lora_rows, dtype=torch.int64).to(dev, non_blocking=True)
+                        if lora_segments else None))
+

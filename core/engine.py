@@ -440,7 +440,8 @@ class Engine:
                 self._run_encoder(encoding)
             if batch is None:
                 return []
-            if self.graphs is not None and not batch.lora_groups and self.graphs.can_run(batch):
+            if (self.graphs is not None and self.graphs.can_run(batch)
+                    and self.runner.can_replay(batch)):
                 logits = self.graphs.run(batch)
             else:
                 logits = self.runner.forward(batch)

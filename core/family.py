@@ -146,6 +146,12 @@ class ModelRunner(ABC):
         for t in cache.states.values():
             t[child_slot].copy_(t[parent_slot])
 
+    def can_replay(self, batch: Batch) -> bool:
+        """Whether decode-only ``batch`` may run through a captured graph (a family with
+        `supports_cuda_graphs`): False for a batch whose forward takes a path the graph's
+        does not."""
+        return True
+
     def lora_targets(self) -> tuple[LoraTarget, ...]:
         """The projections LoRA adapters may change; () when the family takes no adapters.
         A family that lists targets applies ``CacheTensors.lora`` to ``batch.lora_groups``

@@ -52,13 +52,19 @@ HYBRIDS["granitemoehybrid-dense-nope"] = (*HYBRIDS["granitemoehybrid"][:2], {
 HYBRIDS["nemotron_h-latent-dt-floor"] = (*HYBRIDS["nemotron_h"][:2], {
     **HYBRIDS["nemotron_h"][2], "moe_latent_size": 32})
 
+# Nemotron-H 8B's layout: no experts (its CUDA graphs capture), the dt floor shown as above
+HYBRIDS["nemotron_h-dense-dt-floor"] = (*HYBRIDS["nemotron_h"][:2], {
+    **HYBRIDS["nemotron_h"][2],
+    "layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp"]})
+
 
 def _floor_dt(name: str, p: torch.Tensor) -> None:
     if name.endswith("dt_bias"):
         p[::2] = -9.0  # softplus(-9 + dt) ~ 1e-4 < the 1e-3 floor
 
 
-TWEAKS = {"nemotron_h-latent-dt-floor": _floor_dt}  # applied after the random init
+# applied after the random init
+TWEAKS = {"nemotron_h-latent-dt-floor": _floor_dt, "nemotron_h-dense-dt-floor": _floor_dt}
 
 
 def build_hybrid(kind: str, directory: Path, seed: int = 0, std: float = 0.15):

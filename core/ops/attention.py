@@ -15,7 +15,11 @@ from heron.core.batch import AttentionMetadata
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store ``k, v [T, Hkv, D]`` at flat slots ``slot_mapping [T]`` of the caches, in place."""
+    """Store ``k, v [T, Hkv, D]`` at flat slots ``slot_mapping [T]`` of the caches, in place;
+    rows whose slot is negative (padding) store nothing."""
+    keep = slot_mapping >= 0
+    if not keep.all():
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     num_kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

@@ -8,8 +8,9 @@ On CPU, two ways, picked per step:
     adapters are in the batch;
   - larger ones (prefill): the engine orders sequences by adapter, so each adapter's rows
     are one contiguous segment, which takes its own shrink and expand on views.
-On CUDA, two kernels (shrink, expand) in which each row reads its own adapter, from per-row
-tables built once per step (`row_adapters`).
+On CUDA, two kernels (shrink, expand) in which each row reads its own adapter.
+The per-row and dense forms read only the batch's device tensors (``Batch.lora_slots``,
+``CacheTensors.lora_scaling``), so a captured CUDA graph replays them.
 """
 
 from __future__ import annotations
@@ -42,24 +43,13 @@ def runs_per_row(weights: torch.Tensor) -> bool:
     return weights.is_cuda
 
 
-def row_adapters(segments: list[tuple[int, int, int]], scaling: list[float], num_rows: int,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The segments per row: ``(slots [T] int64, -1 for rows without an adapter; scales [T]
-    float32)``."""
-    slots = torch.full((num_rows,), -1, dtype=torch.int64)
-    scales = torch.zeros(num_rows, dtype=torch.float32)
-    for slot, r0, r1 in segments:
-        slots[r0:r1] = slot
-        scales[r0:r1] = scaling[slot]
-    return slots.to(device), scales.to(device)
-
-
 class LayerLora:
     """One layer's adapter weights for one step; `apply` is a no-op for targets no
-    adapter may change. ``rows``: `row_adapters`, for the CUDA kernels."""
+    adapter may change. ``rows``: each row's adapter slot (-1: none) and scaling [T]
+    float32, for the CUDA kernels."""
 
     def __init__(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                 scaling: list[float], segments: list[tuple[int, int, int]],
+                 scaling: list[float] | None, segments: list[tuple[int, int, int]],
                  mask: torch.Tensor | None,
                  rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.weights, self.scaling, self.segments, self.mask = weights, scaling, segments, mask
@@ -77,21 +67,23 @@ class LayerLora:
 
 
 def layer_loras(lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: torch.Tensor,
-                segments: list[tuple[int, int, int]], num_rows: int,
+                row_slots: torch.Tensor | None, segments: list[tuple[int, int, int]],
                 num_layers: int) -> list[LayerLora | None]:
-    """Per layer, what `LayerLora` to apply this step (all None without adapter rows)."""
-    if not segments:
+    """Per layer, what `LayerLora` to apply this step. ``row_slots [T]``: each row's adapter
+    slot, -1 for none (None: no row has one); ``segments``: the same as runs of rows
+    (empty in a captured graph's batch, which takes a form that does not need them)."""
+    if row_slots is None:
         return [None] * num_layers
-    scales = scaling.tolist()  # one sync per step, not one per matmul
     a = next(iter(lora.values()))[0]
-    mask = rows = None
+    num_rows = row_slots.shape[0]
+    mask = rows = scales = None
     if runs_per_row(a):
-        rows = row_adapters(segments, scales, num_rows, a.device)
-    elif num_rows <= DENSE_MAX_ROWS:
+        rows = (row_slots, scaling.index_select(0, row_slots.clamp(min=0)).float())
+    elif num_rows <= DENSE_MAX_ROWS or not segments:
         slots, rank = a.shape[1], a.shape[2]
-        mask = torch.zeros(num_rows, slots, rank, dtype=a.dtype, device=a.device)
-        for slot, r0, r1 in segments:
-            mask[r0:r1, slot] = scales[slot]
-        mask = mask.view(num_rows, slots * rank)
+        own = row_slots[:, None] == torch.arange(slots, device=row_slots.device)
+        mask = (own * scaling).to(a.dtype).repeat_interleave(rank, dim=1)  # [T, slots * R]
+    else:
+        scales = scaling.tolist()  # one sync per step, not one per matmul
     return [LayerLora({t: (a[i], b[i]) for t, (a, b) in lora.items()}, scales, segments, mask,
                       rows) for i in range(num_layers)]

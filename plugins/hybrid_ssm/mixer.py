@@ -38,38 +38,54 @@ class MambaPlan:
     """How this batch's rows map onto the state slots; built once per step, shared by layers."""
 
     prefills: list[tuple[int, int, int]]  # (first row, end row, slot) of multi-row sequences
-    decode_rows: torch.Tensor | None      # [Bd] rows of one-row sequences
-    decode_slots: torch.Tensor | None     # [Bd] their slots
-    is_all_decode: bool                   # decode_rows is every row, in order
-    clamp_rows: torch.Tensor | None       # [T] bool: rows whose dt gets `dt_limit` (prompt rows)
+    decode_rows: torch.Tensor | None      # [Bd] rows of one-row sequences (unless all rows)
+    decode_slots: torch.Tensor | None     # [Bd] their slots; None: no one-row sequence
+    is_all_decode: bool                   # every row is a one-row sequence's, in order
+    clamp_rows: torch.Tensor | None       # [T] bool: rows whose dt gets `dt_limit` (prompt
+                                          # rows); None: none does
 
     @classmethod
     def build(cls, batch: Batch, clamps_dt: bool) -> MambaPlan:
-        attn, slots = batch.attn, batch.state_slots_list
-        prefills, decode_rows, decode_slots, clamp = [], [], [], []
+        dev = batch.input_ids.device
+        clamp = _prompt_rows(batch) if clamps_dt else None
+        clamp_rows = torch.tensor(clamp, device=dev) if clamp else None
+        if batch.attn.is_decode_only:
+            # the batch's own device slots: no host list read, no copy (a captured graph's
+            # static batch has none to read)
+            return cls(prefills=[], decode_rows=None, decode_slots=batch.state_slots,
+                       is_all_decode=True, clamp_rows=clamp_rows)
+        prefills, decode_rows, decode_slots = [], [], []
         start = 0
-        for i, (q_len, seq_len) in enumerate(zip(attn.query_lens_list, attn.seq_lens_list)):
+        for q_len, slot in zip(batch.attn.query_lens_list, batch.state_slots_list):
             if q_len == 1:
                 decode_rows.append(start)
-                decode_slots.append(slots[i])
+                decode_slots.append(slot)
             else:
-                prefills.append((start, start + q_len, slots[i]))
-            if clamps_dt:
-                # NOTE: transformers clamps dt in its prefill pass (the scan) but not in its
-                # one-token decode step; prompt rows get the clamp whatever way they run here
-                num_prompt = batch.seqs[i].num_prompt_tokens
-                first = seq_len - q_len
-                num_clamped = min(max(num_prompt - first, 0), q_len)
-                clamp += [True] * num_clamped + [False] * (q_len - num_clamped)
+                prefills.append((start, start + q_len, slot))
             start += q_len
-        dev = batch.input_ids.device
         has_decode = bool(decode_rows)
         return cls(
             prefills=prefills,
             decode_rows=torch.tensor(decode_rows, device=dev) if has_decode else None,
             decode_slots=torch.tensor(decode_slots, device=dev) if has_decode else None,
-            is_all_decode=not prefills,
-            clamp_rows=torch.tensor(clamp, device=dev) if clamps_dt else None)
+            is_all_decode=False, clamp_rows=clamp_rows)
+
+
+def _prompt_rows(batch: Batch) -> list[bool] | None:
+    """Per row, whether it is a prompt token's (None when no row is)."""
+    # NOTE: transformers clamps dt in its prefill pass (the scan) but not in its one-token
+    # decode step; prompt rows get the clamp whatever way they run here
+    clamp = []
+    for seq, q_len, seq_len in zip(batch.seqs, batch.attn.query_lens_list,
+                                   batch.attn.seq_lens_list):
+        num_clamped = min(max(seq.num_prompt_tokens - (seq_len - q_len), 0), q_len)
+        clamp += [True] * num_clamped + [False] * (q_len - num_clamped)
+    return clamp if any(clamp) else None
+
+
+def has_prompt_rows(batch: Batch) -> bool:
+    """Whether some row of ``batch`` is a prompt token's (its dt is clamped: see `_dt`)."""
+    return _prompt_rows(batch) is not None
 
 
 def _dt(dt_raw: torch.Tensor, w: MambaWeights, cfg: MambaConfig,
@@ -101,7 +117,7 @@ def mamba_mixer(h: torch.Tensor, w: MambaWeights, cfg: MambaConfig, plan: MambaP
                         C.view(num_tokens, cfg.num_groups, -1), w.D, cfg.chunk_size,
                         plan.prefills, ssm_state)
 
-    if plan.decode_rows is not None:
+    if plan.decode_slots is not None:
         rows, slots = plan.decode_rows, plan.decode_slots
         take = (lambda t: t) if plan.is_all_decode else (lambda t: t.index_select(0, rows))
         x, B, C = conv1d_decode(take(xbc), conv_state, slots, w.conv_weight,

@@ -5,7 +5,8 @@ kernels (`heron.plugins.hybrid_ssm.cuda`) when the tensors are on a CUDA device.
 ``seqs`` lists the prefilling sequences as ``(first row, end row, slot)``; the other rows of
 the batch are left alone (what a prefill op returns for them is unspecified). States are
 updated in place: ``conv_state [slots, C, K - 1]`` in the model dtype, ``ssm_state [slots,
-H, P, N]`` in float32.
+H, P, N]`` in float32. A decode row whose slot is negative is padding (of a captured
+graph's batch): it returns zeros and reads and writes no state.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ def conv1d_prefill_ref(x: torch.Tensor, seqs: list[tuple[int, int, int]],
 def conv1d_decode_ref(x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
                       weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """One token per sequence: ``x [B, C]``, ``slots [B]``. Returns ``[B, C]``."""
+    keep = slots >= 0
+    if not keep.all():
+        out = torch.zeros_like(x)
+        if keep.any():
+            out[keep] = conv1d_decode_ref(x[keep], conv_state, slots[keep], weight, bias)
+        return out
     out, window = mamba2.causal_conv1d_step(x, conv_state.index_select(0, slots), weight, bias)
     conv_state.index_copy_(0, slots, window.to(conv_state.dtype))
     return out
@@ -56,6 +63,13 @@ def ssm_decode_ref(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
                    slots: torch.Tensor) -> torch.Tensor:
     """One recurrence step per sequence (``x [B, H, P]``, ``dt [B, H]``, ``B, C [B, G, N]``)
     on its slot's state. Returns ``y [B, H, P]`` float32."""
+    keep = slots >= 0
+    if not keep.all():
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if keep.any():
+            y[keep] = ssm_decode_ref(x[keep], dt[keep], A, B[keep], C[keep], D, ssm_state,
+                                     slots[keep])
+        return y
     y, new = mamba2.ssm_step(ssm_state.index_select(0, slots), x, dt, A, B, C, D)
     ssm_state.index_copy_(0, slots, new)
     return y

@@ -8,16 +8,19 @@ import torch
 from heron.core.batch import Batch
 from heron.core.cache_spec import CacheSpec, CacheTensors, KVCacheSpec, StateSpec
 from heron.core.family import ModelInfo, ModelRunner
+from heron.plugins.hybrid_ssm.mixer import has_prompt_rows
 from heron.plugins.hybrid_ssm.model import CONV_STATE, SSM_STATE, HybridModel
 
 
 class HybridRunner(ModelRunner):
-    supports_cuda_graphs = False
-
     def __init__(self, model: HybridModel, info: ModelInfo) -> None:
         self.model = model
         self.info = info
         self.cache: CacheTensors | None = None
+        # MoE routing lists the experts a step hit on the host: not capturable
+        moe = model.cfg.moe
+        self.supports_cuda_graphs = not (moe is not None and moe.num_experts
+                                         and "moe" in model.cfg.ffns)
         # NemotronH floors dt for prompt tokens only (as transformers does): a generated
         # token's state (and the KV after it) then differs from the same token's as a prompt
         self.generated_matches_prompt = not model.cfg.mamba.clamps_dt
@@ -38,6 +41,10 @@ class HybridRunner(ModelRunner):
 
     def bind_cache(self, cache: CacheTensors) -> None:
         self.cache = cache
+
+    def can_replay(self, batch: Batch) -> bool:
+        # a prompt row's dt is clamped, which a captured graph does not do
+        return not (self.model.cfg.mamba.clamps_dt and has_prompt_rows(batch))
 
     def prefix_flops(self, num_tokens: int) -> float | None:
         """Matmul flops of a prefill: 2 per weight per token, plus causal attention scores."""
@@ -62,9 +69,9 @@ class HybridRunner(ModelRunner):
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
-        if self.model.state_index and batch.state_slots_list is None:
+        if self.model.state_index and batch.state_slots is None:
             raise RuntimeError("the hybrid_ssm family needs the engine's state slots "
-                               "(batch.state_slots_list) for its Mamba layers")
+                               "(batch.state_slots) for its Mamba layers")
         return self.keeping_hidden_states(
             lambda hidden: self.model.forward(batch, self.cache, hidden,
                                               self.hidden_states_layers))

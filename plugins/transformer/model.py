@@ -187,8 +187,8 @@ class TransformerModel:
         eps = self.cfg.rms_norm_eps
         taps = {}
         x = F.embedding(batch.input_ids, self.embed)
-        loras = layer_loras(cache.lora, cache.lora_scaling, batch.lora_groups,
-                            batch.num_tokens, len(self.layers))
+        loras = layer_loras(cache.lora, cache.lora_scaling, batch.lora_slots,
+                            batch.lora_groups, len(self.layers))
         residual = None
         for i, layer in enumerate(self.layers):
             if residual is None:

@@ -230,7 +230,7 @@ def check_lora(device, dtype, num_rows, in_features, out_features, rank, num_slo
     """`add_lora_rows` on ``segments`` ``(slot, first row, end row)`` against `add_lora`'s
     segment form in float32; ``out`` is a column slice of a fused projection and ``x`` a
     strided view. Rows outside every segment must come out unchanged."""
-    from heron.core.ops.lora import add_lora, row_adapters
+    from heron.core.ops.lora import add_lora
     g = _gen(seed)
     x = _randn(num_rows, in_features + 8, g=g, dtype=dtype, device=device)[:, 8:]
     proj = _randn(num_rows, out_features + 32, g=g, dtype=dtype, device=device)
@@ -240,9 +240,13 @@ def check_lora(device, dtype, num_rows, in_features, out_features, rank, num_slo
     scaling = [0.5 + i for i in range(num_slots)]
     ref = out.float().cpu().clone()
     add_lora(ref, x.float().cpu(), a.float().cpu(), b.float().cpu(), scaling, segments)
+    slots = torch.full((num_rows,), -1, dtype=torch.int64)
+    scales = torch.zeros(num_rows, dtype=torch.float32)
+    for slot, r0, r1 in segments:
+        slots[r0:r1], scales[r0:r1] = slot, scaling[slot]
     before = proj.clone()
     with poisoned_outputs():
-        cuda_ops.add_lora_rows(out, x, a, b, *row_adapters(segments, scaling, num_rows, device))
+        cuda_ops.add_lora_rows(out, x, a, b, slots.to(device), scales.to(device))
     assert_close(out, ref, dtype, "add_lora_rows")
     covered = {r for _, r0, r1 in segments for r in range(r0, r1)}
     untouched = [r for r in range(num_rows) if r not in covered]

@@ -43,6 +43,16 @@ def _rows_of(seqs) -> list[int]:
     return [r for first, end, _ in seqs for r in range(first, end)]
 
 
+def _decode_slots(g, batch, num_slots, padded):
+    """``batch`` distinct shuffled slots of ``num_slots``; with ``padded`` the last row's is
+    -1, as a captured graph's padding rows are: ``(slots, used slots, padded rows)``."""
+    slots = torch.randperm(num_slots, generator=g)[:batch]
+    if padded:
+        slots[-1] = -1
+    keep = slots >= 0
+    return slots, slots[keep].tolist(), (~keep).nonzero().flatten().tolist()
+
+
 def _unused_unchanged(after, before, used, what):
     keep = [s for s in range(before.shape[0]) if s not in set(used)]
     assert torch.equal(after[keep].cpu(), before[keep].cpu()), f"{what}: unused slots changed"
@@ -69,10 +79,11 @@ def check_conv1d_prefill(device, dtype, seq_lens, channels, width, seed=0):
     _unused_unchanged(state, before, used, "conv1d_prefill")
 
 
-def check_conv1d_decode(device, dtype, batch, channels, width, with_bias=True, seed=0):
+def check_conv1d_decode(device, dtype, batch, channels, width, with_bias=True, padded=False,
+                        seed=0):
     g = torch.Generator().manual_seed(seed)
     num_slots = batch + 5
-    slots = torch.randperm(num_slots, generator=g)[:batch]
+    slots, used, pads = _decode_slots(g, batch, num_slots, padded)
     x = _rand(g, batch, channels + 16, dtype=dtype, device=device)[:, 16:]
     weight = _rand(g, channels, width, dtype=dtype, device=device, scale=0.5)
     bias = _rand(g, channels, dtype=dtype, device=device) if with_bias else None
@@ -84,8 +95,9 @@ def check_conv1d_decode(device, dtype, batch, channels, width, with_bias=True, s
     with poisoned_outputs():
         out = mamba_cuda.conv1d_decode(x, state, slots.to(device), weight, bias)
     assert_close(out, ref, dtype, "conv1d_decode out")
-    assert_close(state[slots.tolist()], ref_state[slots.tolist()], dtype, "conv1d_decode window")
-    _unused_unchanged(state, before, slots.tolist(), "conv1d_decode")
+    assert not out[pads].any(), "conv1d_decode: a padding row's output is not zero"
+    assert_close(state[used], ref_state[used], dtype, "conv1d_decode window")
+    _unused_unchanged(state, before, used, "conv1d_decode")
 
 
 def _ssm_inputs(g, num_rows, heads, head_dim, groups, state_size, num_slots, dtype, device):
@@ -123,10 +135,11 @@ def check_ssd_prefill(device, dtype, seq_lens, heads, head_dim, groups, state_si
     _unused_unchanged(state, before, used, "ssd_prefill")
 
 
-def check_ssm_decode(device, dtype, batch, heads, head_dim, groups, state_size, seed=0):
+def check_ssm_decode(device, dtype, batch, heads, head_dim, groups, state_size, padded=False,
+                     seed=0):
     g = torch.Generator().manual_seed(seed)
     num_slots = batch + 4
-    slots = torch.randperm(num_slots, generator=g)[:batch]
+    slots, used, pads = _decode_slots(g, batch, num_slots, padded)
     t, state = _ssm_inputs(g, batch, heads, head_dim, groups, state_size, num_slots, dtype,
                            device)
     ref_state = state.cpu().clone()
@@ -135,9 +148,9 @@ def check_ssm_decode(device, dtype, batch, heads, head_dim, groups, state_size, 
     with poisoned_outputs():
         y = mamba_cuda.ssm_decode(**t, ssm_state=state, slots=slots.to(device))
     assert_close(y, ref, torch.float32, "ssm_decode y")
-    assert_close(state[slots.tolist()], ref_state[slots.tolist()], torch.float32,
-                 "ssm_decode state")
-    _unused_unchanged(state, before, slots.tolist(), "ssm_decode")
+    assert not y[pads].any(), "ssm_decode: a padding row's output is not zero"
+    assert_close(state[used], ref_state[used], torch.float32, "ssm_decode state")
+    _unused_unchanged(state, before, used, "ssm_decode")
 
 
 def check_gated_rms_norm(device, dtype, num_rows, d_inner, group_size, norm_before_gate,

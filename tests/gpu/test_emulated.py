@@ -298,9 +298,9 @@ def test_conv1d_prefill(emulated, dtype, seq_lens, width):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("width,with_bias", [(4, True), (2, False)])
-def test_conv1d_decode(emulated, dtype, width, with_bias):
-    mamba_cases.check_conv1d_decode("cpu", dtype, 3, 150, width, with_bias)
+@pytest.mark.parametrize("width,with_bias,padded", [(4, True, False), (2, False, True)])
+def test_conv1d_decode(emulated, dtype, width, with_bias, padded):
+    mamba_cases.check_conv1d_decode("cpu", dtype, 3, 150, width, with_bias, padded)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -311,9 +311,9 @@ def test_ssd_prefill(emulated, dtype, seq_lens, chunk_size):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("groups,state_size", [(2, 16), (1, 40)])
-def test_ssm_decode(emulated, dtype, groups, state_size):
-    mamba_cases.check_ssm_decode("cpu", dtype, 3, 4, 8, groups, state_size)
+@pytest.mark.parametrize("groups,state_size,padded", [(2, 16, False), (1, 40, True)])
+def test_ssm_decode(emulated, dtype, groups, state_size, padded):
+    mamba_cases.check_ssm_decode("cpu", dtype, 3, 4, 8, groups, state_size, padded)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -82,10 +82,12 @@ def test_preemption_and_abort_on_cuda_free_everything(tiny):
     assert engine.num_blocks_in_use == 0
 
 
-@pytest.mark.parametrize("kind", ["bamba", "nemotron_h", "falcon_h1", "mamba2"])
+@pytest.mark.parametrize("kind", ["bamba", "nemotron_h", "nemotron_h-dense-dt-floor",
+                                  "falcon_h1", "mamba2"])
 def test_hybrid_greedy_on_cuda_matches_cpu(kind, tmp_path):
     """The hybrid family with its Mamba2 kernels (conv, scan, state update, gated norm) on
-    CUDA against the torch ops on CPU, prefills chunked across steps among decodes."""
+    CUDA against the torch ops on CPU, prefills chunked across steps among decodes; decode
+    steps replay captured graphs (not with routed experts), and graphs off agree too."""
     from tests.hybrid_models import build_hybrid
     torch.backends.cuda.matmul.allow_tf32 = False
     build_hybrid(kind, tmp_path)
@@ -99,11 +101,16 @@ def test_hybrid_greedy_on_cuda_matches_cpu(kind, tmp_path):
                 .abs().max().item()
                 for c, g_, p in zip(cpu_outs, gpu_outs, prompts) for pos in range(len(p)))
     assert worst <= 1e-3, f"CPU vs CUDA prompt logits differ by {worst:.2e}"
+    assert engine.runner.supports_cuda_graphs == (kind != "nemotron_h")
+    if engine.runner.supports_cuda_graphs:
+        assert engine.graphs.graphs, "decode did not use CUDA graphs"
+        _, _, eager_tokens, _ = run(tmp_path, prompts, "cuda", **{"engine.cuda_graphs": False})
+        assert eager_tokens == cpu_tokens
 
 
 def test_lora_on_cuda_matches_cpu(tmp_path):
-    """Two adapters and the base model in one batch: CUDA (the per-row LoRA kernels; decode
-    steps with adapter rows run eagerly, outside the captured graphs) equals CPU."""
+    """Two adapters and the base model in one batch: CUDA (the per-row LoRA kernels, decode
+    steps replayed by graphs captured with adapter rows) equals CPU."""
     from tests.lora_models import build_standard_adapters
     torch.backends.cuda.matmul.allow_tf32 = False
     model = build_tiny("llama", tmp_path / "base", head_dim=32)
@@ -121,5 +128,8 @@ def test_lora_on_cuda_matches_cpu(tmp_path):
         while engine.has_unfinished():
             outs += [o for o in engine.step() if o.finished]
         assert engine.num_blocks_in_use == 0
+        if device == "cuda":
+            assert any(with_lora for *_, with_lora in engine.graphs.graphs), \
+                "no graph was captured with adapter rows"
         results[device] = {o.request_id: o.outputs[0].token_ids for o in outs}
     assert results["cuda"] == results["cpu"]

@@ -1,5 +1,5 @@
 """CUDA multi-LoRA (kernels/lora.cu): `heron.core.ops.lora.add_lora`'s contract, with its
-segments and scaling given per row (`heron.core.ops.lora.row_adapters`)."""
+segments and scaling given per row (see `heron.core.ops.lora.layer_loras`)."""
 
 from __future__ import annotations
 

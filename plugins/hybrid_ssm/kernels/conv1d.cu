@@ -16,6 +16,7 @@ __device__ __forceinline__ float silu_of(float v) {
 }
 
 // One token per sequence. Launch: grid (B, ceil(C / blockDim.x)), block (128).
+// A row whose slot is negative (a padded graph row) writes zeros and no window.
 extern "C" __global__ void conv1d_decode_kernel(
     scalar_t* __restrict__ out,                  // [B, C] contiguous
     const scalar_t* __restrict__ x, long long x_stride,  // row b's C inputs at b * x_stride
@@ -27,8 +28,12 @@ extern "C" __global__ void conv1d_decode_kernel(
     int channels, int width) {
   const int c = blockIdx.y * blockDim.x + threadIdx.x;
   if (c >= channels) return;
-  const long long b = blockIdx.x;
-  scalar_t* window = conv_state + slots[b] * slot_stride + (long long)c * (width - 1);
+  const long long b = blockIdx.x, slot = slots[b];
+  if (slot < 0) {
+    out[b * (long long)channels + c] = from_float<scalar_t>(0.f);
+    return;
+  }
+  scalar_t* window = conv_state + slot * slot_stride + (long long)c * (width - 1);
   const scalar_t* w = weight + (long long)c * width;
   const scalar_t xv = x[b * x_stride + c];
   float acc = bias != nullptr ? to_float(bias[c]) : 0.f;

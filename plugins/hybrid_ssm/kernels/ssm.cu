@@ -7,7 +7,8 @@
 #include "common.cuh"
 
 // ---- decode: grid (B, H), block (128): warp w takes channels p = w, w + 4, ..., its lanes
-// the state entries n.
+// the state entries n. A row whose slot is negative (a padded graph row) writes zeros to y
+// and leaves every state alone.
 extern "C" __global__ void ssm_decode_kernel(
     float* __restrict__ y,                        // [B, H, P] contiguous
     float* __restrict__ state, long long slot_stride,  // slot s: [H, P, N] at
@@ -18,15 +19,20 @@ extern "C" __global__ void ssm_decode_kernel(
     const float* __restrict__ A, const float* __restrict__ D,  // [H]
     const scalar_t* __restrict__ Bm, const scalar_t* __restrict__ Cm,  // row b: [G, N]
     long long bc_stride, int num_heads, int head_dim, int num_groups, int state_size) {
-  const long long b = blockIdx.x;
+  const long long b = blockIdx.x, slot = slots[b];
   const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int num_warps = blockDim.x >> 5;
+  if (slot < 0) {  // the whole block: no barrier below
+    for (int p = threadIdx.x; p < head_dim; p += blockDim.x)
+      y[(b * num_heads + h) * head_dim + p] = 0.f;
+    return;
+  }
   const int g = h / (num_heads / num_groups);
   const float d = dt[b * num_heads + h];
   const float decay = expf(d * A[h]);
   const scalar_t* Bg = Bm + b * bc_stride + (long long)g * state_size;
   const scalar_t* Cg = Cm + b * bc_stride + (long long)g * state_size;
-  float* s = state + slots[b] * slot_stride + (long long)h * head_dim * state_size;
+  float* s = state + slot * slot_stride + (long long)h * head_dim * state_size;
   for (int p = warp; p < head_dim; p += num_warps) {
     const float xv = to_float(x[b * x_stride + (long long)h * head_dim + p]);
     float* row = s + (long long)p * state_size;
