@@ -5,7 +5,9 @@ GB/s), ``matmul`` (bf16 8192^3, TFLOP/s), ``ops`` (norm / activation / rotary / 
 vs their torch references), ``decode`` (paged decode attention at batch 1/16/64/256, 1k
 context, and batch 16 at 4k, Llama-3-8B shapes, default plan, vs torch SDPA on contiguous
 K/V and vs the HBM roofline), ``prefill`` (the
-CUDA-core and tensor-core prefill kernels, and the tensor-core tiles, vs SDPA), ``decode_sweep``
+CUDA-core and tensor-core prefill kernels, and the tensor-core tiles, vs SDPA), ``mamba`` (the
+hybrid family's SSD scan, state update and conv at Nemotron-H-8B shapes vs its torch
+reference ops, decode vs the HBM roofline), ``decode_sweep``
 (the decode kernel's tuning knobs, `plan.DecodeConfig`, at the same shapes: every kernel
 variant x partition size, and the first kernel as a baseline; run last, so that a variant
 that faults cannot take the other sections with it). A section that fails is recorded with its error
@@ -567,7 +569,96 @@ def _prefill_markdown(p: dict) -> list[str]:
     return lines + [""]
 
 
-SECTIONS = ["env", "bandwidth", "matmul", "ops", "decode", "prefill", "decode_sweep"]
+# Nemotron-H-8B's Mamba2 layers: d_inner 8192 (128 heads of 64), 8 groups, state 128
+MAMBA = dict(heads=128, head_dim=64, groups=8, state_size=128, chunk_size=128, conv_width=4)
+MAMBA_PREFILL_CASES = {"4096": [4096], "4 x 1024": [1024] * 4}
+
+
+def _mamba_inputs(num_rows: int, num_slots: int, dtype=torch.bfloat16):
+    """The SSM ops' inputs as the mixer passes them (x, B, C column views of one conv
+    output; dt, A, D, state float32): ``(inputs, state)``."""
+    h, p, g, n = (MAMBA[k] for k in ("heads", "head_dim", "groups", "state_size"))
+    conv_out = torch.randn(num_rows, h * p + 2 * g * n, device="cuda", dtype=dtype)
+    x, B, C = conv_out.split([h * p, g * n, g * n], dim=-1)
+    inputs = dict(x=x.view(num_rows, h, p), B=B.view(num_rows, g, n), C=C.view(num_rows, g, n),
+                  dt=F.softplus(torch.randn(num_rows, h, device="cuda") - 1),
+                  A=-torch.exp(torch.randn(h, device="cuda") * 0.5),
+                  D=torch.randn(h, device="cuda"))
+    return inputs, torch.randn(num_slots, h, p, n, device="cuda") * 0.1
+
+
+def _float(inputs: dict) -> dict:
+    return {k: v.float() for k, v in inputs.items()}
+
+
+def section_mamba(args, bandwidth_gbps: float) -> dict:
+    """The hybrid family's Mamba2 kernels at Nemotron-H-8B shapes, bf16 (states float32),
+    vs the family's torch reference ops (float32) on the same GPU: the chunked SSD scan of
+    prefill; the decode state update and conv at batch 64 and 256, against the HBM roofline
+    (a decode step reads and writes each sequence's state once)."""
+    from heron.plugins.hybrid_ssm import cuda as mamba_cuda
+    from heron.plugins.hybrid_ssm import ops
+
+    out: dict = {"prefill": {}, "decode": {}}
+    chunk = MAMBA["chunk_size"]
+    for name, lens in MAMBA_PREFILL_CASES.items():
+        seqs, row = [], 0
+        for slot, n in enumerate(lens):
+            seqs.append((row, row + n, slot))
+            row += n
+        t, state = _mamba_inputs(row, len(lens))
+        ref_t, ref_state = _float(t), state.clone()
+        y_ref = ops.ssd_prefill_ref(**ref_t, chunk_size=chunk, seqs=seqs, ssm_state=ref_state)
+        y = mamba_cuda.ssd_prefill(**t, chunk_size=chunk, seqs=seqs, ssm_state=state.clone())
+        heron = time_kernel(lambda: mamba_cuda.ssd_prefill(**t, chunk_size=chunk, seqs=seqs,
+                                                           ssm_state=state))
+        ref = time_kernel(lambda: ops.ssd_prefill_ref(**ref_t, chunk_size=chunk, seqs=seqs,
+                                                      ssm_state=ref_state))
+        out["prefill"][name] = {"tokens": row, "heron": heron, "torch": ref,
+                                "tokens_per_s": row / heron["gpu_ms"] * 1e3,
+                                "speedup": ref["gpu_ms"] / heron["gpu_ms"],
+                                "rel_err": _rel_err(y, y_ref)}
+    h, p, n = MAMBA["heads"], MAMBA["head_dim"], MAMBA["state_size"]
+    conv_dim, width = h * p + 2 * MAMBA["groups"] * n, MAMBA["conv_width"]
+    for batch in (64, 256):
+        t, state = _mamba_inputs(batch, batch)
+        slots = torch.randperm(batch, device="cuda")
+        ref_t = _float(t)
+        heron = time_kernel(lambda: mamba_cuda.ssm_decode(**t, ssm_state=state, slots=slots))
+        ref = time_kernel(lambda: ops.ssm_decode_ref(**ref_t, ssm_state=state, slots=slots))
+        state_bytes = 2 * batch * h * p * n * 4
+        out["decode"][f"ssm_decode B={batch}"] = {
+            "heron": heron, "torch": ref, "speedup": ref["gpu_ms"] / heron["gpu_ms"],
+            "state_gbps": state_bytes / heron["gpu_ms"] / 1e6,
+            "x_roofline": heron["gpu_ms"] / (state_bytes / bandwidth_gbps / 1e6)}
+        x = torch.randn(batch, conv_dim, device="cuda", dtype=torch.bfloat16)
+        window = torch.randn(batch, conv_dim, width - 1, device="cuda", dtype=torch.bfloat16)
+        weight = torch.randn(conv_dim, width, device="cuda", dtype=torch.bfloat16)
+        bias = torch.randn(conv_dim, device="cuda", dtype=torch.bfloat16)
+        heron = time_kernel(lambda: mamba_cuda.conv1d_decode(x, window, slots, weight, bias))
+        ref = time_kernel(lambda: ops.conv1d_decode_ref(x, window, slots, weight, bias))
+        out["decode"][f"conv1d_decode B={batch}"] = {
+            "heron": heron, "torch": ref, "speedup": ref["gpu_ms"] / heron["gpu_ms"]}
+    return out
+
+
+def _mamba_markdown(m: dict) -> list[str]:
+    lines = ["Mamba2 kernels, Nemotron-H-8B shapes (128 heads x 64, 8 groups, state 128, bf16), "
+             "vs the torch reference ops (float32), GPU ms", "",
+             "| op | heron ms | torch ms | speedup | |", "|---|---|---|---|---|"]
+    for name, r in m.get("prefill", {}).items():
+        lines.append(f"| ssd_prefill {name} | {r['heron']['gpu_ms']:.3f} | {r['torch']['gpu_ms']:.3f} "
+                     f"| {r['speedup']:.1f}x | {r['tokens_per_s']:.3g} tok/s, rel err "
+                     f"{r['rel_err']:.1e} |")
+    for name, r in m.get("decode", {}).items():
+        extra = (f"{r['state_gbps']:.0f} GB/s, {r['x_roofline']:.2f}x roofline"
+                 if "state_gbps" in r else "")
+        lines.append(f"| {name} | {r['heron']['gpu_ms']:.4f} | {r['torch']['gpu_ms']:.4f} | "
+                     f"{r['speedup']:.1f}x | {extra} |")
+    return lines + [""]
+
+
+SECTIONS = ["env", "bandwidth", "matmul", "ops", "decode", "prefill", "mamba", "decode_sweep"]
 
 
 # ---------------------------------------------------------------------------- report
@@ -657,6 +748,8 @@ def markdown(results: dict) -> str:
                   f"({p['sdpa_tflops']:.1f} TFLOP/s)", ""]
     if isinstance(p.get("cases"), dict):
         lines += _prefill_markdown(p)
+    if isinstance(results.get("mamba"), dict) and "error" not in results["mamba"]:
+        lines += _mamba_markdown(results["mamba"])
     sweep = results.get("decode_sweep")
     if isinstance(sweep, dict) and "shapes" in sweep:
         lines += _sweep_markdown(sweep)
@@ -685,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in wanted:
         t0 = time.perf_counter()
         try:
-            if name in ("decode", "decode_sweep"):  # the roofline needs the measured bandwidth
+            if name in ("decode", "mamba", "decode_sweep"):  # rooflines need the bandwidth
                 bw = results.get("bandwidth", {}).get("copy_gbps") or section_bandwidth(args)["copy_gbps"]
                 results[name] = globals()[f"section_{name}"](args, bw)
             else:

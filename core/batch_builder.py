@@ -84,4 +84,3 @@ class BatchBuilder:
             lora_groups=lora_segments,
             lora_slots=(torch.tensor(lora_rows, dtype=torch.int64).to(dev, non_blocking=True)
                         if lora_segments else None))
-

@@ -220,9 +220,12 @@ def test_the_openai_client_does_not_retry_a_timed_out_request(timeout_server):
     assert timeout_server.wait_for(lambda m: m.get(aborted, 0.0) > before)[aborted] == before + 1
 
 
-def test_a_request_within_its_deadline_is_answered(timeout_server):
-    status, _, raw = timeout_server.http("POST", "/v1/completions", {
-        "model": "tiny", "prompt": "hi", "max_tokens": 3})
+def test_a_request_within_its_deadline_is_answered(model_dir, engine, slow):
+    # four slow steps (0.2 s) against 5 s: room for a machine that stalls for a moment
+    with ServerThread(config_for(model_dir, **{"server.request_timeout_s": 5.0}),
+                      engine) as server:
+        status, _, raw = server.http("POST", "/v1/completions", {
+            "model": "tiny", "prompt": "hi", "max_tokens": 3})
     assert status == 200, raw
     assert json.loads(raw)["usage"]["completion_tokens"] == 3
 
