@@ -121,6 +121,7 @@ class ServerConfig(_Section):
     served_model_name: str | None = None
     api_keys: list[str] = []
     tenants: dict[str, list[str]] = {}
+    admin_tenants: list[str] = []
     max_body_bytes: int = 4 * 1024 * 1024
     max_waiting_requests: int = 256
     max_waiting_tokens: int = 262144
@@ -130,6 +131,11 @@ class ServerConfig(_Section):
     max_stop_length: int = 256
     request_timeout_s: float | None = None
     drain_timeout_s: float = 30.0
+
+    @property
+    def tenant_names(self) -> set[str]:
+        """Every tenant a key can name: each of `tenants`, ``api_keys[i]`` for each key."""
+        return {*self.tenants, *(f"api_keys[{i}]" for i in range(len(self.api_keys)))}
 
     @property
     def all_keys(self) -> list[str]:
@@ -149,6 +155,8 @@ class ServerConfig(_Section):
              "must not contain an empty key"),
             ("tenants", len(self.all_keys) == len(set(self.all_keys)),
              "must not repeat a key (in `tenants` or `api_keys`)"),
+            ("admin_tenants", set(self.admin_tenants) <= self.tenant_names,
+             "must name tenants of `tenants` (or `api_keys[i]`)"),
             ("max_body_bytes", self.max_body_bytes >= 1024, "must be >= 1024"),
             ("max_waiting_requests", self.max_waiting_requests >= 1, "must be >= 1"),
             ("max_waiting_tokens", self.max_waiting_tokens >= 1, "must be >= 1"),

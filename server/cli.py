@@ -32,7 +32,19 @@ def _config(args):
     if env_keys:
         overrides["server.api_keys"] = config.server.api_keys + env_keys
         config = load_config(args.config, overrides)
+    _check_plugin_names(config)
     return config
+
+
+def _check_plugin_names(config) -> None:
+    """Names only plugins define (a speculative method) fail here, before a model loads."""
+    method = config.speculative.method
+    if method:
+        from heron.core.plugins import PluginManager
+        registered = PluginManager().proposers
+        if method not in registered:
+            raise ConfigError(f"[speculative] method {method!r} is not registered; "
+                              f"registered: {sorted(registered)}")
 
 
 def cmd_serve(args) -> int:

@@ -1,7 +1,7 @@
 """vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter: LoRA adapters at run time.
 
 Both answer 404 unless ``lora.allow_runtime_updates`` is set (vLLM leaves them unrouted
-then). A ``lora_path`` must lie, once symbolic links and ``..`` are resolved, inside one of
+then), and 403 to a key whose tenant is not in ``server.admin_tenants`` when that is set. A ``lora_path`` must lie, once symbolic links and ``..`` are resolved, inside one of
 ``lora.allowed_dirs``, and so must everything the adapter directory holds; errors never echo
 the resolved path or the allowed directories. The Engine's changes run in the engine task
 between steps, one load or unload at a time; success is vLLM's plain-text line.
@@ -18,6 +18,7 @@ from heron.core.async_engine import EngineStoppedError
 from heron.core.lora import AdapterBusyError, AdapterError
 from heron.server.appkeys import ADAPTER_LOCK, ASYNC_ENGINE, CONFIG, MODEL_NAME
 from heron.server.errors import APIError, bad_request, decode_body
+from heron.server.middleware import tenant_of
 from heron.server.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 
 log = structlog.get_logger("heron.server")
@@ -29,7 +30,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     files, rank above ``lora.max_rank``, a module the model lacks, wrong shapes: the
     loader's message); 403: the path is outside ``lora.allowed_dirs``."""
     app = request.app
-    _check_enabled(app)
+    _check_allowed(request)
     req = await decode_body(request, LoadLoraAdapterRequest)
     name, engine = req.lora_name, app[ASYNC_ENGINE]
     path = allowed_path(req.lora_path, app[CONFIG].lora.allowed_dirs)
@@ -54,7 +55,7 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     while any is running or waiting the answer is 409 ``adapter_in_use`` and the adapter
     stays loaded (retry once they finished). 404: no adapter of that name is loaded."""
     app = request.app
-    _check_enabled(app)
+    _check_allowed(request)
     req = await decode_body(request, UnloadLoraAdapterRequest)
     name, engine = req.lora_name, app[ASYNC_ENGINE]
     not_found = APIError(404, f"the LoRA adapter `{name}` cannot be found",
@@ -76,12 +77,17 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
 
-def _check_enabled(app: web.Application) -> None:
-    if not app[CONFIG].lora.allow_runtime_updates:
+def _check_allowed(request: web.Request) -> None:
+    config = request.app[CONFIG]
+    if not config.lora.allow_runtime_updates:
         raise APIError(404, "loading and unloading LoRA adapters at run time is disabled; "
                        "set `lora.allow_runtime_updates = true` (and `lora.allowed_dirs`) "
                        "in the server's configuration to enable it",
                        code="runtime_updates_disabled")
+    admins = config.server.admin_tenants
+    if admins and tenant_of(request) not in admins:
+        raise APIError(403, "this API key may not load or unload LoRA adapters (its tenant "
+                       "is not in `server.admin_tenants`)", code="not_an_admin")
 
 
 def allowed_path(given: str, allowed_dirs: list[str]) -> str:

@@ -86,6 +86,15 @@ def test_serve_rejects_bad_config_with_exit_2(capsys, tmp_path, text, key, reaso
     assert str(path) in err and key in err and reason in err
 
 
+@pytest.mark.parametrize("command", ["config", "serve"])
+def test_an_unknown_speculative_method_is_a_config_error(capsys, command):
+    code, out, err = run_main(capsys, command, "--set", 'speculative.method="eagle"')
+    assert code == 2 and not out
+    assert "'eagle' is not registered" in err and "'mtp'" in err and "'ngram'" in err
+    code, out, _ = run_main(capsys, "config", "--set", 'speculative.method="ngram"')
+    assert code == 0 and 'method = "ngram"' in out
+
+
 def test_serve_rejects_bad_overrides_and_missing_models(capsys, tmp_path):
     code, _, err = run_main(capsys, "serve", "--set", "server.port=-1")
     assert code == 2 and "port" in err

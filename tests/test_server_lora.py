@@ -192,6 +192,42 @@ def test_runtime_updates_off_by_default(dirs):
         assert model_ids(server.client()) == ["tiny"]
 
 
+def test_admin_tenants_alone_change_adapters(dirs):
+    """With `server.admin_tenants` set, other tenants' keys get 403 on both routes and
+    change nothing; an admin's key (a named tenant or an `api_keys[i]` one) loads and
+    unloads."""
+    config = server_config(dirs["base"], **{
+        "server.served_model_name": "tiny", "server.api_keys": ["sk-ops-2"],
+        "server.tenants": {"ops": ["sk-ops"], "acme": ["sk-acme"]},
+        "server.admin_tenants": ["ops", "api_keys[0]"],
+        "lora.allow_runtime_updates": True, "lora.allowed_dirs": [str(dirs["allowed"])],
+        "lora.max_rank": 16, "lora.max_loras": 2})
+    body = {"lora_name": "qv", "lora_path": str(dirs["allowed"] / "qv")}
+    with ServerThread(config, Engine(config)) as server:
+        def call(path, key, payload):
+            status, _, raw = server.http("POST", path, payload,
+                                         {"Authorization": f"Bearer {key}"})
+            return status, raw
+
+        for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            message = error_of(*call(path, "sk-acme", body), 403, "not_an_admin")
+            assert "server.admin_tenants" in message and "sk-" not in message
+        assert not server.async_engine.adapters
+        assert call("/v1/load_lora_adapter", "sk-ops", body)[0] == 200
+        error_of(*call("/v1/unload_lora_adapter", "sk-acme", {"lora_name": "qv"}), 403,
+                 "not_an_admin")
+        assert list(server.async_engine.adapters) == ["qv"]
+        assert call("/v1/unload_lora_adapter", "sk-ops-2", {"lora_name": "qv"})[0] == 200
+        assert not server.async_engine.adapters
+
+
+def test_admin_tenants_must_name_tenants(dirs):
+    from heron.core.config import ConfigError
+    with pytest.raises(ConfigError, match="admin_tenants.*must name tenants"):
+        server_config(dirs["base"], **{"server.tenants": {"ops": ["sk-ops"]},
+                                       "server.admin_tenants": ["opps"]})
+
+
 def test_auth_applies_to_the_adapter_routes(server, dirs):
     for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
         body = {"lora_name": "qv2", "lora_path": str(dirs["allowed"] / "qv")}
