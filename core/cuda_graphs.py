@@ -51,8 +51,9 @@ class StaticDecodeInputs:
         self.rows = torch.arange(n, dtype=torch.int64, device=device)
         self.state_slots = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.lora_slots = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.none = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.zeros = torch.zeros(n, dtype=torch.int32, device=device)
+        # what every row of a batch of padding reads
+        self.no_slots = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.no_lens = torch.zeros(n, dtype=torch.int32, device=device)
 
     def fits(self, batch: Batch) -> bool:
         meta = batch.attn
@@ -90,14 +91,14 @@ class StaticDecodeInputs:
     def batch(self, size: int, bound: int, with_lora: bool, padding: bool = False) -> Batch:
         """The static batch of a key; with ``padding`` every row is a padding row, which
         writes no KV, state or anything else a step keeps."""
-        slots, seq_lens = (self.none, self.zeros) if padding else (self.slot_mapping,
-                                                                   self.seq_lens)
+        slots, seq_lens = ((self.no_slots, self.no_lens) if padding
+                           else (self.slot_mapping, self.seq_lens))
         attn = AttentionMetadata(
             slot_mapping=slots[:size], query_start_loc=self.query_start_loc[:size + 1],
             seq_lens=seq_lens[:size], block_tables=self.block_tables[:size],
             query_lens_list=[1] * size, seq_lens_list=[bound] * size, max_query_len=1,
             max_seq_len=bound, block_size=self.block_size)
-        state_slots, lora_slots = ((self.none, self.none) if padding
+        state_slots, lora_slots = ((self.no_slots, self.no_slots) if padding
                                    else (self.state_slots, self.lora_slots))
         return Batch(seqs=[], input_ids=self.input_ids[:size], positions=self.positions[:size],
                      attn=attn, logits_indices=self.rows[:size],
