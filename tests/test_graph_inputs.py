@@ -98,9 +98,13 @@ def _assert_padding_seen(replay) -> None:
     assert 8 in sizes and len(sizes) > 1, f"graph sizes {sizes}: padding not exercised"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_transformer_static_batch_matches(family, tmp_path):
-    build_tiny(family, tmp_path)
+@pytest.mark.parametrize("kind, build", [
+    ("llama", build_tiny), ("qwen3", build_tiny),
+    # Mamba2 states in slots: padding rows (slot -1) read and write none
+    *((kind, build_hybrid) for kind in ("mamba2", "bamba", "falcon_h1",
+                                        "granitemoehybrid-dense-nope"))])
+def test_static_batch_matches(kind, build, tmp_path):
+    build(kind, tmp_path)
     engine, replay = _run(tmp_path)
     assert engine.runner.supports_cuda_graphs
     _assert_padding_seen(replay)
@@ -113,17 +117,8 @@ def test_lora_rows_in_the_static_batch(tmp_path):
     adapters = build_standard_adapters(model, tmp_path)
     names = [*list(adapters)[:2], None]
     _, replay = _run(tmp_path / "base", adapters=names,
-                        **{"lora.adapters": {n: str(p) for n, p in adapters.items()}})
+                     **{"lora.adapters": {n: str(p) for n, p in adapters.items()}})
     assert all(key[2] for key in replay.keys), "a step with adapter rows lost them"
-    _assert_padding_seen(replay)
-
-
-@pytest.mark.parametrize("kind", ["mamba2", "bamba", "falcon_h1", "granitemoehybrid-dense-nope"])
-def test_hybrid_static_batch_matches(kind, tmp_path):
-    """Mamba2 states in slots: padding rows (slot -1) read and write none."""
-    build_hybrid(kind, tmp_path)
-    engine, replay = _run(tmp_path)
-    assert engine.runner.supports_cuda_graphs
     _assert_padding_seen(replay)
 
 
