@@ -10,6 +10,7 @@ on a stream). Then the server closes its connections, stops the engine and `serv
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 
 import structlog
@@ -28,6 +29,9 @@ _CLOSE_TIMEOUT_S = 5.0
 async def serve(config: Config) -> None:
     app = create_app(config)
     runner = web.AppRunner(app, shutdown_timeout=_CLOSE_TIMEOUT_S, **RUNNER_OPTIONS)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _stop_while_loading, sig)
     await runner.setup()  # loads the model
     try:
         site = web.TCPSite(runner, config.server.host, config.server.port)
@@ -38,7 +42,6 @@ async def serve(config: Config) -> None:
                           f"(server.host, server.port): {e.strerror or e}") from e
         log.info("listening", host=config.server.host, port=runner.addresses[0][1])
         signalled = asyncio.Event()
-        loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, signalled.set)
         await signalled.wait()
@@ -62,3 +65,11 @@ async def serve(config: Config) -> None:
     finally:
         await runner.cleanup()
     log.info("stopped")
+
+
+def _stop_while_loading(sig: signal.Signals) -> None:
+    """A signal before the server listens: there is nothing to drain, and the loading thread
+    cannot be interrupted, so say why and die of the signal (its usual exit status)."""
+    log.warning("stopped while loading the model", signal=sig.name)
+    signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)

@@ -192,6 +192,32 @@ def test_heron_serve_runs_until_interrupted(tmp_path):
     assert request["prompt_tokens"] == out.usage.prompt_tokens and request["level"] == "info"
 
 
+def test_a_signal_while_loading_stops_with_a_message(tmp_path):
+    """SIGTERM before the server listens: a log line that says so, then the signal's exit
+    status (a load cannot be interrupted; it is slowed here so that the signal lands in it)."""
+    model = tmp_path / "tiny"
+    build_tiny("llama", model)
+    code = ("import sys, time; import heron.core.engine as e\n"
+            "def slow(self, *a, **k):\n"
+            "    print('LOADING', file=sys.stderr, flush=True); time.sleep(60)\n"
+            "e.Engine.__init__ = slow\n"
+            "from heron.server.cli import main; sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "serve", str(model), "--config", str(CONF / "test.toml"),
+         "--port", str(free_port())], stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "HERON_API_KEYS": ""})
+    try:
+        assert proc.stderr.readline().strip() == "LOADING"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGTERM
+    lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    assert any(line["event"] == "stopped while loading the model"
+               and line["signal"] == "SIGTERM" for line in lines), err
+
+
 def test_parser_builds_without_loading_the_server():
     code = ("import sys; from heron.server.cli import build_parser; build_parser(); "
             "print(sorted(m for m in ('aiohttp', 'transformers', 'openai') if m in sys.modules))")
