@@ -1,7 +1,8 @@
 """End-to-end on a GPU: each family's greedy output on CUDA equals the same family on CPU.
 
 fp32 on both sides (TF32 off), so the only differences are summation order. Decode steps
-on CUDA replay captured graphs; a second engine with graphs off must agree too.
+on CUDA replay captured graphs (families that capture them); a second engine with graphs
+off must agree too.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from heron.core.sampling_params import SamplingParams
-from tests.engine_utils import LogitsRecorder, make_engine
+from tests.engine_utils import LogitsRecorder, assert_no_leaks, make_engine, run_to_end
 from tests.tiny_models import build_tiny
 
 pytestmark = pytest.mark.gpu
@@ -133,3 +134,35 @@ def test_lora_on_cuda_matches_cpu(tmp_path):
                 "no graph was captured with adapter rows"
         results[device] = {o.request_id: o.outputs[0].token_ids for o in outs}
     assert results["cuda"] == results["cpu"]
+
+
+def nllb_outputs(path, tok, device):
+    """Greedy and 4-beam translations of four sources of different lengths into two target
+    languages, all in one engine: ``{request id: [token ids of each output]}``."""
+    from tests.nllb_models import corpus
+    engine = make_engine(path, **{"model.device": device})
+    assert engine.graphs is None  # its cross-attention reads source lengths on the host
+    words = " ".join(corpus(5, seed=1)).split()
+    tok.src_lang = "eng_Latn"
+    start = engine.runner.model.cfg.decoder_start_token_id
+    for n, lang in ((3, "fra_Latn"), (8, "deu_Latn"), (20, "fra_Latn"), (12, "deu_Latn")):
+        for beams in (1, 4):
+            engine.add_request(f"{n}-{beams}", [start, tok.convert_tokens_to_ids(lang)],
+                               SamplingParams(max_tokens=19, temperature=0.0, num_beams=beams),
+                               encoder_prompt=tok(" ".join(words[:n])).input_ids)
+    outs = run_to_end(engine)
+    assert_no_leaks(engine)
+    return {rid: [o.token_ids for o in out.outputs] for rid, out in outs.items()}
+
+
+def test_nllb_translations_on_cuda_match_cpu(tmp_path):
+    """The nllb family (encoder stages, cross-attention K/V in slots, beams sharing them) on
+    CUDA, its decoder's self-attention through the paged kernels, against CPU."""
+    from tests.nllb_models import build_translator
+    torch.backends.cuda.matmul.allow_tf32 = False
+    # head_dim 32, as the prefill kernel wants; at d_model 128 an EOS boost of 2 ends
+    # translations at several lengths
+    tok, _ = build_translator(tmp_path, d_model=128, eos_boost=2.0)
+    cpu = nllb_outputs(tmp_path, tok, "cpu")
+    assert len(cpu) == 8 and len({len(t[0]) for t in cpu.values()}) > 1  # lengths differ
+    assert nllb_outputs(tmp_path, tok, "cuda") == cpu
