@@ -51,11 +51,9 @@ class BatchBuilder:
             qsl.append(qsl[-1] + n)
         dev = self.device
         lora_segments: list[tuple[int, int, int]] = []
-        lora_rows: list[int] = []
         row = 0
         for item in scheduled:
             slot, end = item.seq.lora_slot, row + item.num_tokens
-            lora_rows += [-1 if slot is None else slot] * item.num_tokens
             if slot is not None:
                 if lora_segments and lora_segments[-1][0] == slot and lora_segments[-1][2] == row:
                     lora_segments[-1] = (slot, lora_segments[-1][1], end)
@@ -82,5 +80,13 @@ class BatchBuilder:
                          torch.tensor(slot_list, dtype=torch.int64).to(dev, non_blocking=True)),
             state_slots_list=slot_list,
             lora_groups=lora_segments,
-            lora_slots=(torch.tensor(lora_rows, dtype=torch.int64).to(dev, non_blocking=True)
-                        if lora_segments else None))
+            lora_slots=_row_slots(lora_segments, len(input_ids), dev) if lora_segments else None)
+
+
+def _row_slots(segments: list[tuple[int, int, int]], num_rows: int,
+               device: torch.device) -> torch.Tensor:
+    """``segments`` per row: each row's adapter slot, -1 for none."""
+    slots = torch.full((num_rows,), -1, dtype=torch.int64)
+    for slot, r0, r1 in segments:
+        slots[r0:r1] = slot
+    return slots.to(device, non_blocking=True)
