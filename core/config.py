@@ -133,14 +133,13 @@ class ServerConfig(_Section):
     drain_timeout_s: float = 30.0
 
     @property
-    def tenant_names(self) -> set[str]:
-        """Every tenant a key can name: each of `tenants`, ``api_keys[i]`` for each key."""
-        return {*self.tenants, *(f"api_keys[{i}]" for i in range(len(self.api_keys)))}
-
-    @property
-    def all_keys(self) -> list[str]:
-        """Every accepted API key: ``api_keys`` and each tenant's."""
-        return [*self.api_keys, *(k for keys in self.tenants.values() for k in keys)]
+    def key_tenants(self) -> list[tuple[str, str]]:
+        """(key, tenant) for every accepted key: a `tenants` key belongs to its named tenant;
+        an `api_keys` key is a tenant of its own, named by its place in the list,
+        ``api_keys[i]`` (nothing derived from the key: names reach /metrics, which is open;
+        no tenant name has brackets)."""
+        return [*((k, f"api_keys[{i}]") for i, k in enumerate(self.api_keys)),
+                *((k, name) for name, keys in self.tenants.items() for k in keys)]
 
     def _checks(self):
         return (
@@ -153,9 +152,10 @@ class ServerConfig(_Section):
              "names must be 1-64 letters, digits, '.', '_' or '-'"),
             ("tenants", all(k.strip() for keys in self.tenants.values() for k in keys),
              "must not contain an empty key"),
-            ("tenants", len(self.all_keys) == len(set(self.all_keys)),
+            ("tenants", len({k for k, _ in self.key_tenants}) == len(self.key_tenants),
              "must not repeat a key (in `tenants` or `api_keys`)"),
-            ("admin_tenants", set(self.admin_tenants) <= self.tenant_names,
+            ("admin_tenants",
+             set(self.admin_tenants) <= {*self.tenants, *(t for _, t in self.key_tenants)},
              "must name tenants of `tenants` (or `api_keys[i]`)"),
             ("max_body_bytes", self.max_body_bytes >= 1024, "must be >= 1024"),
             ("max_waiting_requests", self.max_waiting_requests >= 1, "must be >= 1"),

@@ -3,9 +3,10 @@
 ``X-Request-Id``: a client's id is kept (bound to every log line of the request) and echoed;
 without one the server makes one. API keys: with ``server.api_keys`` or ``server.tenants``
 set, every route but the open ones needs ``Authorization: Bearer <key>``; keys are compared
-in constant time and never logged. A key names the request's tenant (`tenant_of`): the
-prefix-cache namespace, the ``tenant`` label of per-tenant metrics and the ``tenant`` of
-its log line, so that tenants never share cached KV nor see each other's traffic.
+in constant time and never logged. A key names the request's tenant (`tenant_of`; see
+`ServerConfig.key_tenants`): the prefix-cache namespace, the ``tenant`` label of per-tenant
+metrics and the ``tenant`` of its log line, so that tenants never share cached KV nor see
+each other's traffic.
 """
 
 from __future__ import annotations
@@ -39,15 +40,6 @@ def tenant_of(request: web.Request) -> str:
     return request.get(_TENANT, "")
 
 
-def key_tenants(server: ServerConfig) -> list[tuple[bytes, str]]:
-    """(key, tenant) for every accepted key: a ``server.tenants`` key belongs to its named
-    tenant; an ``api_keys`` key is a tenant of its own, named by its place in the list,
-    ``api_keys[i]`` (nothing derived from the key: names reach /metrics, which is open; no
-    tenant name has brackets)."""
-    pairs = [(k.encode(), f"api_keys[{i}]") for i, k in enumerate(server.api_keys)]
-    return pairs + [(k.encode(), name) for name, keys in server.tenants.items() for k in keys]
-
-
 def arrival_of(request: web.Request) -> float:
     """time.monotonic() when the request reached the app (TTFT and latency start here)."""
     return request.get(_ARRIVAL_KEY) or time.monotonic()
@@ -71,7 +63,7 @@ async def echo_request_id(request: web.Request, response: web.StreamResponse) ->
 
 
 def auth_middleware(server: ServerConfig):
-    keys = key_tenants(server)
+    keys = [(key.encode(), tenant) for key, tenant in server.key_tenants]
 
     @web.middleware
     async def check_key(request: web.Request, handler) -> web.StreamResponse:
