@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from heron.core.batch import AttentionMetadata, Batch
+from heron.core.device import to_device
+from heron.core.inflight import fill_placeholders
 from heron.core.scheduler import ScheduledSeq
 
 
@@ -15,8 +17,11 @@ class BatchBuilder:
         self.block_size = block_size
         self.device = device
 
-    def build(self, scheduled: list[ScheduledSeq], prompt_logprob_seqs: set[int]) -> Batch:
-        """``prompt_logprob_seqs``: seq ids whose prompt rows in this chunk need logits too."""
+    def build(self, scheduled: list[ScheduledSeq], prompt_logprob_seqs: set[int],
+              sampled: torch.Tensor | None = None) -> Batch:
+        """``prompt_logprob_seqs``: seq ids whose prompt rows in this chunk need logits too.
+        ``sampled``: the tokens of the step in flight (async scheduling), on the device, which
+        the sequences' placeholders stand for (`heron.core.inflight`)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -64,20 +69,22 @@ class BatchBuilder:
         if None in slot_list:
             slot_list = None
         attn = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=tables.to(dev, non_blocking=True),
+            slot_mapping=to_device(slots, torch.int64, dev),
+            query_start_loc=to_device(qsl, torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
+            block_tables=to_device(tables, torch.int32, dev),
             query_lens_list=query_lens, seq_lens_list=seq_lens,
             max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_size=bs)
+        ids = to_device(input_ids, torch.int64, dev)
+        if sampled is not None and min(input_ids) < 0:
+            ids = fill_placeholders(ids, sampled)
         return Batch(
             seqs=[item.seq for item in scheduled],
-            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
+            input_ids=ids,
+            positions=to_device(positions, torch.int64, dev),
             attn=attn,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(dev, non_blocking=True),
-            state_slots=(None if slot_list is None else
-                         torch.tensor(slot_list, dtype=torch.int64).to(dev, non_blocking=True)),
+            logits_indices=to_device(logits_rows, torch.int64, dev),
+            state_slots=None if slot_list is None else to_device(slot_list, torch.int64, dev),
             state_slots_list=slot_list,
             lora_groups=lora_segments,
             lora_slots=_row_slots(lora_segments, len(input_ids), dev) if lora_segments else None)
@@ -89,4 +96,4 @@ def _row_slots(segments: list[tuple[int, int, int]], num_rows: int,
     slots = torch.full((num_rows,), -1, dtype=torch.int64)
     for slot, r0, r1 in segments:
         slots[r0:r1] = slot
-    return slots.to(device, non_blocking=True)
+    return to_device(slots, torch.int64, device)

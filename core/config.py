@@ -77,6 +77,7 @@ class EngineConfig(_Section):
     max_num_batched_tokens: int = 1024
     chunked_prefill: bool = True
     cuda_graphs: bool = True
+    async_scheduling: Literal["auto", "on", "off"] = "auto"
     preemption: Literal["recompute", "swap"] = "recompute"
     swap_space_gb: float = 4.0
     num_swap_blocks: int | None = None

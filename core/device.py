@@ -22,3 +22,15 @@ def resolve_device(model: ModelConfig) -> tuple[torch.device, torch.dtype]:
     if model.dtype != "auto":
         return device, _DTYPES[model.dtype]
     return device, torch.bfloat16 if is_cuda else torch.float32
+
+
+def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``data`` (a list, or a CPU tensor of ``dtype``) as a tensor on ``device``, without
+    waiting for the device: on CUDA through pinned memory, so that the copy is queued on the
+    stream while the host goes on (one from pageable memory may wait for the stream's work
+    to finish, which would stall the host behind the step it means to overlap)."""
+    if device.type != "cuda":
+        return torch.as_tensor(data, dtype=dtype)
+    if isinstance(data, torch.Tensor):
+        return data.pin_memory().to(device, non_blocking=True)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

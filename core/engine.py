@@ -18,7 +18,8 @@ from heron.core.beam_search import BeamSearch, step_searches
 from heron.core.beams import BeamGroup
 from heron.core.block_pool import BlockPool
 from heron.core.config import Config
-from heron.core.device import resolve_device
+from heron.core.device import resolve_device, to_device
+from heron.core.inflight import InflightStep, placeholder
 from heron.core.kv_cache import (allocate_cache, allocate_host_kv, allocate_lora, copy_block_rows,
                                  copy_blocks, num_kv_blocks_for, num_swap_blocks_for)
 from heron.core.lora import AdapterBusyError, AdapterError, AdapterWeights
@@ -129,8 +130,15 @@ class Engine:
                                        max_context_len=self.max_model_len,
                                        block_size=engine.block_size, device=self.device)
         self.proposer: Proposer | None = None
+        self.async_scheduling = engine.async_scheduling == "on" or (
+            engine.async_scheduling == "auto" and self.device.type == "cuda")
+        self._inflight: InflightStep | None = None
         proposer = self._build_proposer()
         if proposer is not None:
+            if engine.async_scheduling == "on":
+                raise ValueError("engine.async_scheduling = \"on\" does not work with "
+                                 "speculative decoding: drafts need each step's tokens on "
+                                 "the host before the next step")
             self.set_proposer(proposer)
         self.spec_stats = SpecStats()
         self._requests: dict[str, RequestState] = {}
@@ -170,7 +178,11 @@ class Engine:
 
     def set_proposer(self, proposer: Proposer) -> None:
         """Draft with ``proposer`` from the next step on (one built from the config is set
-        at start-up)."""
+        at start-up). Turns async scheduling off: drafts need each step's tokens on the
+        host. Not while a step's tokens are in flight."""
+        if self._inflight is not None:
+            raise RuntimeError("set_proposer while a step's tokens are in flight")
+        self.async_scheduling = False
         if proposer.needs_hidden_states:
             self.runner.keep_hidden_states = True
             self.runner.hidden_states_layers = proposer.hidden_layers
@@ -356,7 +368,9 @@ class Engine:
         return state.snapshot()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        inflight = self._inflight
+        return self.scheduler.has_unfinished() or inflight is not None and any(
+            seq.status is not SequenceStatus.FINISHED for seq in inflight.seqs)
 
     @property
     def num_requests(self) -> int:
@@ -392,9 +406,14 @@ class Engine:
     # -- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Run one step. With async scheduling, the outputs are mostly the previous step's
+        tokens, which land while this step runs (`heron.core.inflight`)."""
         if self.proposer is not None:
             self._propose()
-        sched = self.scheduler.schedule()
+        inflight, self._inflight = self._inflight, None
+        # a sequence whose token in flight is its last by length needs no more steps
+        sched = self.scheduler.schedule(hold={s.seq_id for s in inflight.seqs
+                                              if self._ends_by_length(s)} if inflight else ())
         if self.adapter_pool is not None:  # each adapter's rows one segment (ops.lora)
             sched.scheduled.sort(key=lambda item: -1 if item.seq.lora_slot is None
                                  else item.seq.lora_slot)
@@ -405,8 +424,6 @@ class Engine:
         if self.host_kv is not None:
             copy_blocks(self.cache.kv, self.host_kv, sched.swap_out)
             copy_blocks(self.host_kv, self.cache.kv, sched.swap_in)
-        if not sched.scheduled:
-            return []
         if self.states is not None:
             for item in sched.scheduled:
                 self.states.acquire(item.seq)
@@ -418,7 +435,9 @@ class Engine:
             for item in sched.scheduled:
                 if item.seq.draft_token_ids:
                     self.states.save_before_drafts(item.seq)
-        touched: dict[str, RequestState] = {}
+        # requests whose tokens land in this step: those in flight, and this step's own
+        touched = {self._by_seq[s.seq_id].request_id: self._by_seq[s.seq_id]
+                   for s in (inflight.seqs if inflight else ()) if s.seq_id in self._by_seq}
         pl_seqs: set[int] = set()
         # sequences that only run encoder stages this step have no rows and no output yet
         decoding = [item for item in sched.scheduled if item.num_tokens]
@@ -427,35 +446,46 @@ class Engine:
             touched[state.request_id] = state
             if state.needs_prompt_logprobs:
                 pl_seqs.add(item.seq.seq_id)
-        batch = self.batch_builder.build(decoding, pl_seqs) if decoding else None
+        batch = None
+        if decoding:
+            batch = self.batch_builder.build(decoding, pl_seqs,
+                                             inflight.sample.token_ids if inflight else None)
         for state in touched.values():
             for out in state.outputs:
                 out.begin_step()
         encoding = [item for item in sched.scheduled if item.encoder_stages]
+        logits = None
         try:  # the family's code: a fault here fails only this step's requests
             for item in sched.scheduled:
                 if item.seq.family_state is None:
                     item.seq.family_state = self.runner.alloc_sequence(item.seq)
             if encoding:
                 self._run_encoder(encoding)
-            if batch is None:
-                return []
-            if (self.graphs is not None and self.graphs.can_run(batch)
-                    and self.runner.can_replay(batch)):
-                logits = self.graphs.run(batch)
-            else:
-                logits = self.runner.forward(batch)
-            if self.proposer is not None and self.proposer.needs_hidden_states:
-                self._observe(decoding)
+            if batch is not None:
+                if (self.graphs is not None and self.graphs.can_run(batch)
+                        and self.runner.can_replay(batch)):
+                    logits = self.graphs.run(batch)
+                else:
+                    logits = self.runner.forward(batch)
+                if self.proposer is not None and self.proposer.needs_hidden_states:
+                    self._observe(decoding)
         except Exception as e:
             log.exception("model step failed")
-            for item in encoding:
-                touched.setdefault(item.seq.request_id, self._by_seq[item.seq.seq_id])
-            for state in touched.values():
+            self._resolve(inflight)  # sampled before the fault
+            failed = {self._by_seq[item.seq.seq_id].request_id: self._by_seq[item.seq.seq_id]
+                      for item in sched.scheduled}
+            for state in failed.values():
                 state.finish("error", error=f"model step failed: {e}")
-                self._retire(state, cache=False)
+            touched |= failed
+            for state in touched.values():
+                if state.finished:
+                    self._retire(state, cache=state.request_id not in failed)
             return [s.snapshot() for s in touched.values()]
-        self._postprocess(decoding, pl_seqs, logits)
+        for item in decoding:
+            item.seq.num_computed_tokens += item.num_tokens
+        self._resolve(inflight)  # on the host, while the device runs this step
+        if logits is not None:
+            self._postprocess(decoding, pl_seqs, logits)
         self._cache_new_blocks(decoding)
         self._checkpoint_states(decoding)
         outputs = []
@@ -464,6 +494,26 @@ class Engine:
                 self._retire(state)
             outputs.append(state.snapshot())
         return outputs
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s last token (one in flight) takes it to ``max_tokens`` or the
+        context's end, as `SeqOutput.append` will find."""
+        max_tokens = seq.params.max_tokens
+        return ((max_tokens is not None and seq.num_output_tokens >= max_tokens)
+                or len(seq) >= self.max_model_len)
+
+    def _resolve(self, step: InflightStep | None) -> None:
+        """A step's sampled tokens land on the host: each replaces its sequence's
+        placeholder and goes to its output, which may end."""
+        if step is None:
+            return
+        result = step.sample.result()
+        for i, seq in enumerate(step.seqs):
+            if seq.status is SequenceStatus.FINISHED:  # aborted, or failed, since
+                continue
+            seq.token_ids.pop()  # the placeholder
+            if not self._emit(seq, result, i):
+                self._finish_seq(seq)
 
     def _propose(self) -> None:
         """Drafts for the running sequences that decode this step, within their limits (the
@@ -506,6 +556,10 @@ class Engine:
             chunk.seq.encoder_stages_done = chunk.end
 
     def _postprocess(self, scheduled, pl_seqs: set[int], logits: torch.Tensor) -> None:
+        """Sample, step beam searches, verify drafts, record prompt logprobs: everything a
+        step's logits give, for ``scheduled``, whose ``num_computed_tokens`` already count
+        this step. Sampled tokens land at once, or with async scheduling in the next step
+        (`_inflight`)."""
         row = 0
         sample_rows, sample_seqs = [], []
         beams: dict[str, RequestState] = {}
@@ -513,8 +567,10 @@ class Engine:
         drafted: list[tuple[Sequence, int]] = []  # (sequence, its first row)
         for item in scheduled:
             seq = item.seq
-            start = seq.num_computed_tokens
-            seq.num_computed_tokens += item.num_tokens
+            if seq.status is SequenceStatus.FINISHED:
+                row += 1  # its token in flight, which it ran as its one row, ended it
+                continue
+            start = seq.num_computed_tokens - item.num_tokens
             if seq.seq_id in pl_seqs:
                 num = max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens - 1) - start)
                 self._add_prompt_logprobs(seq, logits[row:row + num], start)
@@ -543,12 +599,17 @@ class Engine:
             self._verify(drafted, logits)
         if not sample_seqs:
             return
-        result = self.sampler.sample(logits[sample_rows], sample_seqs)
+        if sample_rows != list(range(logits.shape[0])):
+            logits = logits.index_select(0, to_device(sample_rows, torch.long, logits.device))
+        sample = self.sampler.launch(logits, sample_seqs)
         for state in forks:
             self._fork_siblings(state)
         for i, seq in enumerate(sample_seqs):
-            if not self._emit(seq, result, i):
-                self._finish_seq(seq)
+            seq.token_ids.append(placeholder(i))
+        self._inflight = InflightStep(sample_seqs, sample)
+        if not self.async_scheduling:
+            self._resolve(self._inflight)
+            self._inflight = None
 
     def _emit(self, seq: Sequence, result, i: int) -> bool:
         """Append row ``i`` of a sampler result to ``seq``; False when ``seq`` is done."""
@@ -707,6 +768,8 @@ class Engine:
 
     def _finish_seq(self, seq: Sequence, *, cache: bool = True) -> None:
         """Free a sequence's blocks and family state as soon as its output is final."""
+        if seq.token_ids[-1] < 0:  # a placeholder (aborted while its token was in flight)
+            seq.token_ids.pop()
         states = self.states
         if (states is not None and cache and seq.state_slot is not None
                 and self.scheduler.checkpoint_due(seq) is not None):

@@ -175,7 +175,9 @@ class ModelRunner(ABC):
         """Run one step; return float32 logits ``[len(batch.logits_indices), vocab_size]``.
 
         Must write the KV of every token in the batch at ``batch.attn.slot_mapping``.
-        Must not mutate sequences; the engine advances them after sampling.
+        Must not mutate sequences; the engine advances them after sampling. Token ids come
+        from ``batch.input_ids``: with async scheduling a sequence's last token may still be
+        a placeholder on the host (`heron.core.inflight`).
         """
 
 

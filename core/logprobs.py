@@ -41,23 +41,28 @@ def gather_token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
     All rows share one ``topk`` with the largest ``k`` asked for, and every result crosses
     to the host in a single batch of ``tolist`` calls.
     """
-    num_rows, vocab_size = logprobs.shape
-    if num_rows == 0:
-        return []
+    tensors = token_logprob_tensors(logprobs, token_ids, max(num_top, default=0))
+    return describe_token_logprobs(tensors, num_top)
+
+
+def token_logprob_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor,
+                          max_top: int) -> tuple[torch.Tensor, ...]:
+    """The device half of `gather_token_logprobs`: ``(token_ids, logprob, rank, top values,
+    top ids)`` tensors, the last two ``[N, min(max_top, V)]``; nothing crosses to the host."""
     chosen = logprobs.gather(1, token_ids.view(-1, 1))
     ranks = (logprobs >= chosen).sum(dim=-1)
-    max_top = min(max(num_top), vocab_size)
-    if max_top > 0:
-        top_values, top_ids = logprobs.topk(max_top, dim=-1)
-        top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
-    else:
-        top_values_list = top_ids_list = [[] for _ in range(num_rows)]
-    return [
-        TokenLogprobs(token_id=t, logprob=lp, rank=r, top=list(zip(ids[:k], vals[:k])))
-        for t, lp, r, ids, vals, k in zip(token_ids.tolist(), chosen.view(-1).tolist(),
-                                          ranks.tolist(), top_ids_list, top_values_list,
-                                          num_top)
-    ]
+    top_values, top_ids = logprobs.topk(min(max_top, logprobs.shape[1]), dim=-1)
+    return token_ids, chosen.view(-1), ranks, top_values, top_ids
+
+
+def describe_token_logprobs(tensors: tuple[torch.Tensor, ...],
+                            num_top: list[int]) -> list[TokenLogprobs]:
+    """The host half of `gather_token_logprobs`, on what `token_logprob_tensors` returned
+    (on any device)."""
+    token_ids, chosen, ranks, top_values, top_ids = (t.tolist() for t in tensors)
+    return [TokenLogprobs(token_id=t, logprob=lp, rank=r, top=list(zip(ids[:k], vals[:k])))
+            for t, lp, r, ids, vals, k in zip(token_ids, chosen, ranks, top_ids, top_values,
+                                              num_top)]
 
 
 def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor | list[int],

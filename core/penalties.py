@@ -11,6 +11,7 @@ import array
 import numpy as np
 import torch
 
+from heron.core.device import to_device
 from heron.core.sampling_params import SamplingParams
 from heron.core.sequence import Sequence
 
@@ -42,7 +43,7 @@ def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence],
                     rows.append(i)
                     cols.append(token_id)
     if rows:
-        index = torch.tensor([rows, cols], dtype=torch.long, device=logits.device)
+        index = to_device([rows, cols], torch.long, logits.device)
         logits[index[0], index[1]] = float("-inf")
 
 
@@ -102,8 +103,8 @@ def _penalize(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> No
 
 def _per_row(logits: torch.Tensor, seqs: list[Sequence], field: str) -> torch.Tensor:
     """``[B]`` one penalty's value for every row of the batch."""
-    return torch.tensor([getattr(seq.params, field) for seq in seqs],
-                        dtype=logits.dtype, device=logits.device)
+    return to_device([getattr(seq.params, field) for seq in seqs], logits.dtype,
+                     logits.device)
 
 
 def _occurrences(rows: list[int], token_lists: list[list[int]], vocab_size: int,
@@ -124,4 +125,5 @@ def _occurrences(rows: list[int], token_lists: list[list[int]], vocab_size: int,
     if token_ids.size and token_ids.max() >= vocab_size:
         keep = token_ids < vocab_size
         token_ids, row_ids = token_ids[keep], row_ids[keep]
-    return torch.from_numpy(row_ids).to(device), torch.from_numpy(token_ids).to(device)
+    return (to_device(torch.from_numpy(row_ids), torch.long, device),
+            to_device(torch.from_numpy(token_ids), torch.long, device))

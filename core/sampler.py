@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from heron.core.logprobs import TokenLogprobs, gather_token_logprobs
+from heron.core.device import to_device
+from heron.core.logprobs import (TokenLogprobs, describe_token_logprobs,
+                                 token_logprob_tensors)
 from heron.core.penalties import apply_min_tokens, apply_penalties
 from heron.core.sequence import Sequence
 
@@ -37,6 +39,41 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None] | None = None
 
 
+class PendingSample:
+    """A batch's sampled tokens on the device, and their copy on its way to the host.
+
+    ``token_ids``: ``[B]`` int64 on the logits' device, ``-1`` for failed rows; later steps
+    may read it on the device before `result` is asked for (the engine's placeholders).
+    On CUDA the copy to the host starts at once, without waiting for the stream.
+    """
+
+    def __init__(self, token_ids: torch.Tensor, num_logprobs: list[int], logprob_rows: list[int],
+                 logprob_tensors: tuple[torch.Tensor, ...]) -> None:
+        self.token_ids = token_ids
+        self._num_logprobs, self._logprob_rows = num_logprobs, logprob_rows
+        self._host = (token_ids, *logprob_tensors)
+        self._ready = None
+        if token_ids.device.type == "cuda":
+            self._host = tuple(t.to("cpu", non_blocking=True) for t in self._host)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def result(self) -> SamplerOutput:
+        """The tokens on the host (waits for the device to have sampled them)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        token_ids = self._host[0].tolist()
+        failed_rows = [i for i, t in enumerate(token_ids) if t < 0]
+        if not self._logprob_rows:
+            return SamplerOutput(token_ids=token_ids, failed_rows=failed_rows)
+        logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
+        described = describe_token_logprobs(self._host[1:], self._num_logprobs)
+        for i, entry in zip(self._logprob_rows, described):
+            if token_ids[i] >= 0:
+                logprobs[i] = entry
+        return SamplerOutput(token_ids=token_ids, failed_rows=failed_rows, logprobs=logprobs)
+
+
 class Sampler:
     """Samples one token per row, vLLM-compatible in the order settings are applied.
 
@@ -50,7 +87,7 @@ class Sampler:
         self.eos_token_ids = tuple(eos_token_ids)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """Pick the next token of every sequence.
+        """Pick the next token of every sequence: `launch`, then its result.
 
         :param logits: ``[B, V]`` float32 raw logits; row ``i`` belongs to ``seqs[i]``.
             NOTE: may be edited in place (bans, penalties, temperature, filters); copy it
@@ -59,6 +96,13 @@ class Sampler:
             ``torch.Generator`` on ``logits``' device) when the request has a seed.
         :returns: a ``SamplerOutput`` whose lists have ``B`` entries.
         """
+        return self.launch(logits, seqs).result()
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
+        """`sample`'s device work, with no host sync: the tokens stay on the device
+        (`PendingSample.token_ids`) and cross to the host when `PendingSample.result` is
+        asked for. Reads ``seqs``' histories (penalties, min_tokens) now."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} sequences")
         logits = logits.float()  # a no-op for the float32 the contract asks for
@@ -66,20 +110,23 @@ class Sampler:
         # is NaN, +inf if any is +inf, -inf if every entry is masked.
         is_failed = ~torch.isfinite(logits.amax(dim=-1))
         num_logprobs = [seq.params.logprobs for seq in seqs]
-        wants_logprobs = any(k is not None for k in num_logprobs)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+        rows = [i for i, k in enumerate(num_logprobs) if k is not None]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if rows else None
 
         apply_min_tokens(logits, seqs, self.eos_token_ids)
         apply_penalties(logits, seqs)
         chosen = self._choose(logits, seqs).masked_fill_(is_failed, -1)
-
-        token_ids = chosen.tolist()  # the one device sync, unless logprobs are asked for
-        failed_rows = [i for i, t in enumerate(token_ids) if t < 0]
-        if not wants_logprobs:
-            return SamplerOutput(token_ids=token_ids, failed_rows=failed_rows)
-        return SamplerOutput(token_ids=token_ids, failed_rows=failed_rows,
-                             logprobs=_row_logprobs(raw_logprobs, chosen, num_logprobs,
-                                                    failed_rows))
+        described = ()
+        if rows:  # a failed row's entry is described as token 0, then dropped
+            if len(rows) < len(seqs):
+                index = to_device(rows, torch.long, logits.device)
+                raw_logprobs = raw_logprobs.index_select(0, index)
+                described = chosen.index_select(0, index)
+            else:
+                described = chosen
+            described = token_logprob_tensors(raw_logprobs, described.clamp(min=0),
+                                              max(num_logprobs[i] for i in rows))
+        return PendingSample(chosen, [num_logprobs[i] for i in rows], rows, described)
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """``[B]`` int64 tokens: argmax for greedy rows, a draw for the rest."""
@@ -89,7 +136,7 @@ class Sampler:
             return logits.argmax(dim=-1)
         if len(random_rows) == len(seqs):
             return _draw(logits, seqs)
-        index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
+        index = to_device(random_rows, torch.long, logits.device)
         drawn = _draw(logits.index_select(0, index), [seqs[i] for i in random_rows])
         return logits.argmax(dim=-1).index_copy_(0, index, drawn)
 
@@ -101,7 +148,7 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     device = logits.device
     temperatures = [p.temperature for p in params]
     if any(t != 1.0 for t in temperatures):
-        logits.div_(torch.tensor(temperatures, dtype=logits.dtype, device=device).view(-1, 1))
+        logits.div_(to_device(temperatures, logits.dtype, device).view(-1, 1))
 
     # Only rows that ask for top-k or top-p pay for a topk or a sort.
     sort_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab_size or p.top_p < 1.0]
@@ -112,7 +159,7 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         if len(sort_rows) == len(seqs):
             _apply_top_k_top_p(logits, top_k, top_p)
         else:
-            index = torch.tensor(sort_rows, dtype=torch.long, device=device)
+            index = to_device(sort_rows, torch.long, device)
             sub = logits.index_select(0, index)
             _apply_top_k_top_p(sub, top_k, top_p)
             logits.index_copy_(0, index, sub)
@@ -134,7 +181,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     reaches ``top_p``; the most likely token always stays.
     """
     device = logits.device
-    k = torch.tensor(top_k, dtype=torch.long, device=device).view(-1, 1)
+    k = to_device(top_k, torch.long, device).view(-1, 1)
     if all(p >= 1.0 for p in top_p):
         # Top-k alone needs only each row's k-th largest value: topk, not a full sort.
         kth_largest = logits.topk(max(top_k), dim=-1).values.gather(1, k - 1)
@@ -148,8 +195,8 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 for the top token
     # Rows with top_p == 1 get an unreachable threshold: rounding in the cumsum could
     # otherwise push the tail's mass_before to 1.0 and cut tokens nobody asked to cut.
-    p = torch.tensor([x if x < 1.0 else float("inf") for x in top_p],
-                     dtype=logits.dtype, device=device).view(-1, 1)
+    p = to_device([x if x < 1.0 else float("inf") for x in top_p], logits.dtype,
+                  device).view(-1, 1)
     remove |= mass_before >= p
     logits.masked_fill_(torch.empty_like(remove).scatter_(1, order, remove), float("-inf"))
 
@@ -162,7 +209,7 @@ def _apply_min_p(logits: torch.Tensor, min_p: list[float]) -> None:
     top-k / top-p renormalise and the top token always survives them, so running this after
     them equals running it on the temperature-scaled distribution.
     """
-    log_min_p = torch.tensor(min_p, dtype=logits.dtype, device=logits.device).log().view(-1, 1)
+    log_min_p = to_device(min_p, logits.dtype, logits.device).log().view(-1, 1)
     threshold = logits.amax(dim=-1, keepdim=True) + log_min_p
     logits.masked_fill_(logits < threshold, float("-inf"))
 
@@ -213,24 +260,3 @@ def _exponential_race(probs: torch.Tensor, seeded: list[tuple[int, torch.Generat
         noise[i].exponential_(generator=generator)
     noise.clamp_min_(_MIN_NOISE)
     return probs.div_(noise).argmax(dim=-1)
-
-
-def _row_logprobs(raw_logprobs: torch.Tensor, chosen: torch.Tensor,
-                  num_logprobs: list[int | None],
-                  failed_rows: list[int]) -> list[TokenLogprobs | None]:
-    """Per-row ``TokenLogprobs`` for rows that asked and did not fail, else None."""
-    failed = set(failed_rows)
-    rows = [i for i, k in enumerate(num_logprobs) if k is not None and i not in failed]
-    result: list[TokenLogprobs | None] = [None] * len(num_logprobs)
-    if not rows:
-        return result
-    if len(rows) == len(num_logprobs):
-        described = gather_token_logprobs(raw_logprobs, chosen, num_logprobs)
-    else:
-        index = torch.tensor(rows, dtype=torch.long, device=raw_logprobs.device)
-        described = gather_token_logprobs(raw_logprobs.index_select(0, index),
-                                          chosen.index_select(0, index),
-                                          [num_logprobs[i] for i in rows])
-    for i, entry in zip(rows, described):
-        result[i] = entry
-    return result

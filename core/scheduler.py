@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from heron.core.adapter_pool import AdapterPool
@@ -312,12 +313,14 @@ class Scheduler:
 
     # -- the step ----------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, hold: Collection[int] = ()) -> SchedulerOutput:
+        """The next step's plan. Running sequences whose ids are in ``hold`` sit it out (the
+        engine knows they end when their token in flight lands)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
-                continue
+            if seq.status is not SequenceStatus.RUNNING or seq.seq_id in hold:
+                continue  # (not running: preempted earlier in this loop)
             if budget == 0 and not self._encoder_left(seq):
                 if not self.encoder_stages:
                     break  # nothing else runs without budget

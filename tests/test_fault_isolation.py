@@ -28,10 +28,20 @@ def llama(tmp_path_factory):
     return path
 
 
-def make(path, **overrides) -> Engine:
-    settings = {"model.path": str(path), "model.dtype": "float32", "model.device": "cpu",
-                "model.family": "faulty", **overrides}
-    return Engine(load_config(None, settings), plugins())
+@pytest.fixture(params=["off", "on"], ids=["sync", "async"])
+def scheduling(request) -> dict:
+    """Each test with and without async scheduling, where a fault may strike while the
+    previous step's tokens are in flight."""
+    return {"engine.async_scheduling": request.param}
+
+
+@pytest.fixture
+def make(scheduling):
+    def make(path, **overrides) -> Engine:
+        settings = {"model.path": str(path), "model.dtype": "float32", "model.device": "cpu",
+                    "model.family": "faulty", **scheduling, **overrides}
+        return Engine(load_config(None, settings), plugins())
+    return make
 
 
 def run_all(engine: Engine, requests: dict[str, tuple[list[int], dict]]) -> dict:
@@ -46,7 +56,7 @@ def finish(out) -> tuple[str, str | None]:
     return o.finish_reason, o.error
 
 
-def test_a_raising_step_fails_its_requests_and_spares_the_waiting_ones(llama):
+def test_a_raising_step_fails_its_requests_and_spares_the_waiting_ones(llama, make):
     engine = make(llama, **{"engine.max_num_seqs": 2})
     done = run_all(engine, {"a": (PLAIN, {}), "bad": ([RAISE, RAISE, 5, 6], {}),
                             "waiting": (PLAIN, {})})
@@ -59,7 +69,7 @@ def test_a_raising_step_fails_its_requests_and_spares_the_waiting_ones(llama):
     assert again["after"].outputs[0].token_ids == done["waiting"].outputs[0].token_ids
 
 
-def test_nan_logits_fail_only_their_request(llama):
+def test_nan_logits_fail_only_their_request(llama, make):
     engine = make(llama)
     done = run_all(engine, {"a": (PLAIN, {}), "nan": ([NAN, NAN, 5, 6], {}),
                             "b": (PLAIN[:4], {})})
@@ -69,7 +79,7 @@ def test_nan_logits_fail_only_their_request(llama):
     assert_no_leaks(engine)
 
 
-def test_a_fault_releases_adapter_references(llama):
+def test_a_fault_releases_adapter_references(llama, make):
     engine = make(llama, **{"lora.adapters": {"qv": str(llama / "adapter")}})
     engine.add_request("lora", PLAIN, GREEDY, adapter="qv")
     engine.step()  # prefill: the adapter is referenced now
@@ -88,7 +98,7 @@ def hybrid(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mark", [RAISE, ALLOC, NAN])
-def test_faults_release_state_slots_of_a_hybrid(hybrid, mark):
+def test_faults_release_state_slots_of_a_hybrid(hybrid, make, mark):
     engine = make(hybrid, **{"engine.max_num_seqs": 3})
     done = run_all(engine, {"a": (PLAIN, {}), "bad": ([mark, mark, 5, 6, 7], {}),
                             "b": (PLAIN[:5], {})})
@@ -102,9 +112,9 @@ def test_faults_release_state_slots_of_a_hybrid(hybrid, mark):
 
 # -- through the server -----------------------------------------------------------------------
 
-def test_marked_requests_get_500s_and_stream_errors_while_others_are_served(llama):
+def test_marked_requests_get_500s_and_stream_errors_while_others_are_served(llama, scheduling):
     config = server_config(llama, **{"model.family": "faulty",
-                                     "server.served_model_name": "tiny"})
+                                     "server.served_model_name": "tiny", **scheduling})
     engine = Engine(config, plugins())
     with ServerThread(config, engine) as server:
         for mark, message in ((RAISE, "injected fault in forward"),

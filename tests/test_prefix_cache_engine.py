@@ -205,8 +205,8 @@ def test_32_requests_in_a_few_dozen_blocks_match_an_unconstrained_run(
     engine = engine_for(model_dir, **settings)
     schedule, events = engine.scheduler.schedule, {"swap_out": 0, "swap_in": 0, "recompute": 0}
 
-    def observed():
-        out = schedule()
+    def observed(*args, **kw):
+        out = schedule(*args, **kw)
         events["host_blocks"] = max(events.get("host_blocks", 0), engine.num_host_blocks_in_use)
         events["swap_out"] += len(out.swap_out)
         events["swap_in"] += len(out.swap_in)

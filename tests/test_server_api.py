@@ -16,11 +16,13 @@ PROMPT = "The quick brown fox"
 GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["off", "on"], ids=["sync", "async"])
+def server(tmp_path_factory, request):
+    """With and without async scheduling (each token reaches its stream a step later)."""
     path = tmp_path_factory.mktemp("tiny-api")
     build_tiny("llama", path, std=0.15)
-    config = server_config(path, **{"server.served_model_name": "tiny"})
+    config = server_config(path, **{"server.served_model_name": "tiny",
+                                    "engine.async_scheduling": request.param})
     with ServerThread(config, Engine(config)) as s:
         yield s
 

@@ -217,6 +217,9 @@ class BlindSampler:
                 result.token_ids[i] = self.script[seq.token_ids[-1]][0]
         return result
 
+    def launch(self, logits, seqs):  # rows without drafts: sampled as ever
+        return self.sampler.launch(logits, seqs)
+
 
 CHI2_DF8_P001 = 26.12  # the chi-square quantile for 8 degrees of freedom at p = 0.001
 
