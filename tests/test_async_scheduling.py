@@ -78,15 +78,14 @@ def seeded(seed, **kw):
                              "ignore_eos": True, **kw})
 
 
-def test_every_sampling_feature_gives_the_same_outputs(llama):
+def sampling_wave(engine) -> list:
     """Greedy, seeded sampling with filters and penalties, min_tokens, stop strings and
-    stop token ids found a step late, logprobs, prompt logprobs, n > 1, beams: in one
-    batch, each request finishing at its own step."""
-    engine = make_engine(llama)
+    stop token ids (found a step late), logprobs, prompt logprobs, n > 1, beams: requests
+    for one batch, each finishing at its own step. ``engine`` (any) picks the stops."""
     text = engine.generate(["Paged attention"], greedy(ignore_eos=True, max_tokens=20))[0]
     ids = text.outputs[0].token_ids
     stop_text = engine.tokenizer.decode(ids[5:7])  # ends a stream a few tokens in
-    wave = [
+    return [
         ("greedy", "Paged attention", greedy(), {}),
         ("stop-id", "Paged attention", greedy(stop_token_ids=[ids[3]]), {}),
         ("stop-str", "Paged attention", greedy(stop=[stop_text]), {}),
@@ -105,7 +104,10 @@ def test_every_sampling_feature_gives_the_same_outputs(llama):
         ("beams", "The quick", greedy(num_beams=3, n=2, max_tokens=6), {}),
         ("ids", [5, 6, 7, 8, 9], greedy(max_tokens=1), {}),
     ]
-    done, _ = run_both(llama, [wave])
+
+
+def test_every_sampling_feature_gives_the_same_outputs(llama):
+    done, _ = run_both(llama, [sampling_wave(make_engine(llama))])
     finish = {rid: {o[3] for o in d["outputs"]} for rid, d in done.items()}
     assert finish["stop-id"] == finish["stop-str"] == finish["stop-str-kept"] == {"stop"}
     assert len(done["n"]["outputs"]) == 3 and len(done["beams"]["outputs"]) == 2

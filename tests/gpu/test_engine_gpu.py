@@ -166,3 +166,16 @@ def test_nllb_translations_on_cuda_match_cpu(tmp_path):
     cpu = nllb_outputs(tmp_path, tok, "cpu")
     assert len(cpu) == 8 and len({len(t[0]) for t in cpu.values()}) > 1  # lengths differ
     assert nllb_outputs(tmp_path, tok, "cuda") == cpu
+
+
+def test_async_scheduling_on_cuda_changes_no_output(tmp_path):
+    """On CUDA the step in flight really overlaps the host's work: its inputs cross in
+    pinned memory, its sampled tokens are read on the device by the next step and copied
+    to the host behind it. Every sampling feature gives the same outputs with async
+    scheduling on and off, decode steps replayed as graphs."""
+    from tests.test_async_scheduling import run_both, sampling_wave
+    build_tiny("llama", tmp_path, head_dim=32, std=0.15)
+    _, (sync, async_) = run_both(tmp_path, [sampling_wave(make_engine(tmp_path))],
+                                 **{"model.device": "cuda"})
+    assert async_.async_scheduling and not sync.async_scheduling
+    assert async_.graphs is not None and async_.graphs.graphs
