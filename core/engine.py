@@ -568,7 +568,7 @@ class Engine:
         for item in scheduled:
             seq = item.seq
             if seq.status is SequenceStatus.FINISHED:
-                row += 1  # its token in flight, which it ran as its one row, ended it
+                row += 1  # its token in flight ended it: a running sequence's decode row
                 continue
             start = seq.num_computed_tokens - item.num_tokens
             if seq.seq_id in pl_seqs:
@@ -607,7 +607,10 @@ class Engine:
         for i, seq in enumerate(sample_seqs):
             seq.token_ids.append(placeholder(i))
         self._inflight = InflightStep(sample_seqs, sample)
-        if not self.async_scheduling:
+        # NOTE: only running sequences wait for their tokens (a sibling that found no seat
+        # to fork into waits to be computed with it); see `_postprocess`'s finished rows
+        if not self.async_scheduling or any(s.status is SequenceStatus.WAITING
+                                            for s in sample_seqs):
             self._resolve(self._inflight)
             self._inflight = None
 

@@ -7,10 +7,10 @@ sampled in it ends with a *placeholder*: the id ``-1 - i`` for row ``i`` of the 
 sampled tokens. A batch that feeds a placeholder to the model takes the token from the
 device (`fill_placeholders`); the host replaces it once the tokens land, one step later.
 
-NOTE: between steps, a placeholder is always a sequence's last token, not yet computed;
-everything before it is real. A stop found when the tokens land has let the sequence
-run one more step: that row is dropped. Its KV (the last token's) is valid, it is the
-token's own.
+NOTE: between steps, only running sequences hold a placeholder, as their last token, not
+yet computed; everything before it is real. A stop found when the tokens land has let
+the sequence run one more step, as a decode (one row, dropped). The KV and state that
+step wrote are valid: the stopping token's own.
 """
 
 from __future__ import annotations

@@ -116,17 +116,15 @@ class Sampler:
         apply_min_tokens(logits, seqs, self.eos_token_ids)
         apply_penalties(logits, seqs)
         chosen = self._choose(logits, seqs).masked_fill_(is_failed, -1)
-        described = ()
+        logprob_tensors = ()
         if rows:  # a failed row's entry is described as token 0, then dropped
+            tokens = chosen
             if len(rows) < len(seqs):
                 index = to_device(rows, torch.long, logits.device)
-                raw_logprobs = raw_logprobs.index_select(0, index)
-                described = chosen.index_select(0, index)
-            else:
-                described = chosen
-            described = token_logprob_tensors(raw_logprobs, described.clamp(min=0),
-                                              max(num_logprobs[i] for i in rows))
-        return PendingSample(chosen, [num_logprobs[i] for i in rows], rows, described)
+                raw_logprobs, tokens = raw_logprobs[index], chosen[index]
+            logprob_tensors = token_logprob_tensors(raw_logprobs, tokens.clamp(min=0),
+                                                    max(num_logprobs[i] for i in rows))
+        return PendingSample(chosen, [num_logprobs[i] for i in rows], rows, logprob_tensors)
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """``[B]`` int64 tokens: argmax for greedy rows, a draw for the rest."""

@@ -113,6 +113,14 @@ def test_every_sampling_feature_gives_the_same_outputs(llama):
     assert len(done["n"]["outputs"]) == 3 and len(done["beams"]["outputs"]) == 2
 
 
+def test_siblings_without_a_seat_give_the_same_outputs(llama):
+    """``n > 1`` in a batch too small for every sibling: those that find no seat wait, with
+    their first token, to compute the prompt again."""
+    wave = [("n", "The quick brown fox", seeded(1, n=4, max_tokens=6), {}),
+            ("one", "emoji", seeded(2, max_tokens=1, n=2), {})]
+    run_both(llama, [wave], **{"engine.max_num_seqs": 2})
+
+
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_preemption_and_the_prefix_cache_give_the_same_outputs(llama, preemption):
     """A pool too small for the batch (sequences preempted while their tokens are in

@@ -11,6 +11,8 @@ prefix cache, so a slot always starts empty.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from heron.core import (Batch, CacheSpec, CacheTensors, EncoderChunk, KVCacheSpec, ModelInfo,
@@ -39,14 +41,15 @@ class NllbRunner(ModelRunner):
             # source's rows and zeroes the rest that any earlier holder may have filled
             states=(StateSpec("cross_kv", (cfg.num_decoder_layers, 2, heads,
                                            self.max_encoder_len, head_dim), zero_fresh=False),
-                    StateSpec("cross_len", (1,), torch.int64),
                     StateSpec("encoder_hidden", (self.max_encoder_len, cfg.d_model),
                               zero_fresh=False)))
 
     def bind_cache(self, cache: CacheTensors) -> None:
         self.cache = cache
-        # per slot, the cross-attention rows not known to be zeros (at first: all of them)
-        self._written = [self.max_encoder_len] * cache.states["cross_len"].shape[0]
+        # per slot, the length of the source last encoded there, past which its
+        # cross-attention rows are zeros (at first: none known to be); on the host, so that
+        # a decode step reads no device tensor to learn it
+        self._source_len = [self.max_encoder_len] * cache.states["cross_kv"].shape[0]
 
     @torch.inference_mode()
     def encode(self, chunks: list[EncoderChunk]) -> None:
@@ -86,11 +89,9 @@ class NllbRunner(ModelRunner):
             cross[slots, i, 1, :, positions] = v
         ended = [(c.slot, n) for c, n, f in zip(chunks, sizes, finished) if f]
         for slot, n in ended:  # keys past a source are masked, their rows zeros (0 * inf: NaN)
-            if self._written[slot] > n:
-                cross[slot, :, :, :, n:self._written[slot]] = 0
-            self._written[slot] = n
-        ended_slots, ended_sizes = (torch.tensor(t, device=dev) for t in zip(*ended))
-        states["cross_len"][ended_slots, 0] = ended_sizes
+            if self._source_len[slot] > n:
+                cross[slot, :, :, :, n:self._source_len[slot]] = 0
+            self._source_len[slot] = n
 
     def _grouped_cross_attention(self, slots: list[int], sources: list[int], scale: float):
         """Cross-attention of a batch whose row ``r`` reads slot ``slots[r]`` (a source of
@@ -142,10 +143,10 @@ class NllbRunner(ModelRunner):
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
         model, cfg = self.model, self.model.cfg
-        cross, lengths = self.cache.states["cross_kv"], self.cache.states["cross_len"]
+        cross = self.cache.states["cross_kv"]
         slots = batch.state_slots_list
-        sources = lengths[batch.state_slots, 0].tolist()
-        starts = batch.attn.query_start_loc.tolist()
+        sources = [self._source_len[slot] for slot in slots]
+        starts = [0, *itertools.accumulate(batch.attn.query_lens_list)]
         scale = cfg.decoder_head_dim ** -0.5
 
         def self_attention(i, q, k, v):
