@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Collection
 
 import torch
 
@@ -31,7 +32,7 @@ from heron.core.request import RequestState, SeqOutput
 from heron.core.logprobs import prompt_logprobs
 from heron.core.sampler import Sampler
 from heron.core.sampling_params import SamplingParams
-from heron.core.scheduler import Scheduler
+from heron.core.scheduler import Scheduler, SchedulerOutput
 from heron.core.sequence import Sequence, SequenceStatus
 from heron.core.speculative import LookupFirst, Proposer, SpecStats
 from heron.core.state_pool import StatePool, snapshot_bytes
@@ -414,27 +415,7 @@ class Engine:
         # a sequence whose token in flight is its last by length needs no more steps
         sched = self.scheduler.schedule(hold={s.seq_id for s in inflight.seqs
                                               if self._ends_by_length(s)} if inflight else ())
-        if self.adapter_pool is not None:  # each adapter's rows one segment (ops.lora)
-            sched.scheduled.sort(key=lambda item: -1 if item.seq.lora_slot is None
-                                 else item.seq.lora_slot)
-        for seq in sched.preempted:
-            self._free_family_state(seq)
-            if self.states is not None:
-                self.states.release(seq, commit=False)
-        if self.host_kv is not None:
-            copy_blocks(self.cache.kv, self.host_kv, sched.swap_out)
-            copy_blocks(self.host_kv, self.cache.kv, sched.swap_in)
-        if self.states is not None:
-            for item in sched.scheduled:
-                self.states.acquire(item.seq)
-        for seq, snapshot in sched.restores:
-            self.states.restore(seq, snapshot)
-        for key, slot in sched.adapter_loads:
-            self._load_adapter_slot(key, slot)
-        if self.states is not None and self.proposer is not None:
-            for item in sched.scheduled:
-                if item.seq.draft_token_ids:
-                    self.states.save_before_drafts(item.seq)
+        self._prepare(sched)
         # requests whose tokens land in this step: those in flight, and this step's own
         touched = {self._by_seq[s.seq_id].request_id: self._by_seq[s.seq_id]
                    for s in (inflight.seqs if inflight else ()) if s.seq_id in self._by_seq}
@@ -476,11 +457,7 @@ class Engine:
                       for item in sched.scheduled}
             for state in failed.values():
                 state.finish("error", error=f"model step failed: {e}")
-            touched |= failed
-            for state in touched.values():
-                if state.finished:
-                    self._retire(state, cache=state.request_id not in failed)
-            return [s.snapshot() for s in touched.values()]
+            return self._report(touched | failed, failed)
         for item in decoding:
             item.seq.num_computed_tokens += item.num_tokens
         self._resolve(inflight)  # on the host, while the device runs this step
@@ -488,12 +465,43 @@ class Engine:
             self._postprocess(decoding, pl_seqs, logits)
         self._cache_new_blocks(decoding)
         self._checkpoint_states(decoding)
+        return self._report(touched)
+
+    def _report(self, touched: dict[str, RequestState],
+                failed: Collection[str] = ()) -> list[RequestOutput]:
+        """The outputs of the requests a step touched; those that finished retire (the
+        blocks of those whose step ``failed`` are not cached)."""
         outputs = []
         for state in touched.values():
             if state.finished:
-                self._retire(state)
+                self._retire(state, cache=state.request_id not in failed)
             outputs.append(state.snapshot())
         return outputs
+
+    def _prepare(self, sched: SchedulerOutput) -> None:
+        """Carry out the memory moves a schedule asks for before its batch runs: swaps,
+        state slots and snapshots, adapter slots."""
+        if self.adapter_pool is not None:  # each adapter's rows one segment (ops.lora)
+            sched.scheduled.sort(key=lambda item: -1 if item.seq.lora_slot is None
+                                 else item.seq.lora_slot)
+        for seq in sched.preempted:
+            self._free_family_state(seq)
+            if self.states is not None:
+                self.states.release(seq, commit=False)
+        if self.host_kv is not None:
+            copy_blocks(self.cache.kv, self.host_kv, sched.swap_out)
+            copy_blocks(self.host_kv, self.cache.kv, sched.swap_in)
+        if self.states is not None:
+            for item in sched.scheduled:
+                self.states.acquire(item.seq)
+        for seq, snapshot in sched.restores:
+            self.states.restore(seq, snapshot)
+        for key, slot in sched.adapter_loads:
+            self._load_adapter_slot(key, slot)
+        if self.states is not None and self.proposer is not None:
+            for item in sched.scheduled:
+                if item.seq.draft_token_ids:
+                    self.states.save_before_drafts(item.seq)
 
     def _ends_by_length(self, seq: Sequence) -> bool:
         """Whether ``seq``'s last token (one in flight) takes it to ``max_tokens`` or the
