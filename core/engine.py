@@ -417,8 +417,7 @@ class Engine:
                                               if self._ends_by_length(s)} if inflight else ())
         self._prepare(sched)
         # requests whose tokens land in this step: those in flight, and this step's own
-        touched = {self._by_seq[s.seq_id].request_id: self._by_seq[s.seq_id]
-                   for s in (inflight.seqs if inflight else ()) if s.seq_id in self._by_seq}
+        touched = self._states_of(inflight.seqs if inflight else ())
         pl_seqs: set[int] = set()
         # sequences that only run encoder stages this step have no rows and no output yet
         decoding = [item for item in sched.scheduled if item.num_tokens]
@@ -453,8 +452,7 @@ class Engine:
         except Exception as e:
             log.exception("model step failed")
             self._resolve(inflight)  # sampled before the fault
-            failed = {self._by_seq[item.seq.seq_id].request_id: self._by_seq[item.seq.seq_id]
-                      for item in sched.scheduled}
+            failed = self._states_of(item.seq for item in sched.scheduled)
             for state in failed.values():
                 state.finish("error", error=f"model step failed: {e}")
             return self._report(touched | failed, failed)
@@ -466,6 +464,11 @@ class Engine:
         self._cache_new_blocks(decoding)
         self._checkpoint_states(decoding)
         return self._report(touched)
+
+    def _states_of(self, seqs) -> dict[str, RequestState]:
+        """The live requests of ``seqs``, by request id."""
+        states = (self._by_seq.get(seq.seq_id) for seq in seqs)
+        return {state.request_id: state for state in states if state is not None}
 
     def _report(self, touched: dict[str, RequestState],
                 failed: Collection[str] = ()) -> list[RequestOutput]:
