@@ -250,7 +250,7 @@ class Engine:
         first sequence computes the prompt and the others fork from it.
         """
         params = params or SamplingParams()
-        params.validate()
+        params.validate(self.runner.info.vocab_size)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         adapter_key = ""

@@ -1,7 +1,7 @@
-"""Logit adjustments that depend on a sequence's history: min_tokens bans and penalties.
+"""Logit adjustments made before sampling: min_tokens bans, logit bias and penalties.
 
-Both functions edit ``logits`` in place and do no torch work at all for a batch whose rows
-leave them neutral, which is the common case.
+Each function edits ``logits`` in place and does no torch work at all for a batch whose
+rows leave it neutral, which is the common case.
 """
 
 from __future__ import annotations
@@ -45,6 +45,26 @@ def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence],
     if rows:
         index = to_device([rows, cols], torch.long, logits.device)
         logits[index[0], index[1]] = float("-inf")
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Add each row's ``params.logit_bias`` (token id -> bias) to its logits.
+
+    The ids must lie in ``[0, V)`` (the engine refuses a request whose ids do not). A
+    masked logit (``-inf``, e.g. a min_tokens ban) stays masked whatever its bias.
+    """
+    rows: list[int] = []
+    cols: list[int] = []
+    biases: list[float] = []
+    for i, seq in enumerate(seqs):
+        for token_id, bias in seq.params.logit_bias.items():
+            rows.append(i)
+            cols.append(token_id)
+            biases.append(bias)
+    if rows:
+        index = to_device([rows, cols], torch.long, logits.device)
+        logits.index_put_((index[0], index[1]), to_device(biases, logits.dtype, logits.device),
+                          accumulate=True)
 
 
 def has_penalties(params: SamplingParams) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 
@@ -13,13 +15,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ``logprobs`` is the number of top alternatives returned per generated token (None: no
     logprobs at all; 0: only the chosen token's); ``prompt_logprobs`` likewise per prompt token.
     Logprobs are those of the model's raw distribution (before temperature and filters).
+    ``logit_bias`` maps token ids to a bias in ``[-100, 100]`` added to their logits before
+    the penalties and sampling (OpenAI's field; -100 all but bans a token, 100 all but
+    forces it); the logprobs stay those of the raw distribution, as vLLM's.
 
     ``num_beams > 1`` asks for beam search with transformers' ``generate`` semantics
     (`heron.core.beam_search`): ``length_penalty``, ``early_stopping`` (True, False or
     "never"), ``min_tokens``, ``max_tokens``; the ``n`` best hypotheses (``n <= num_beams``)
     are the request's outputs. It is deterministic, as transformers' is without sampling:
-    temperature and the top-k/top-p/min-p filters do not apply, and penalties, stop
-    strings and logprobs are refused.
+    temperature and the top-k/top-p/min-p filters do not apply, and penalties, logit
+    bias, stop strings and logprobs are refused.
     """
 
     n: int = 1
@@ -35,6 +40,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     repetition_penalty: float = 1.0
     stop: list[str] = []
     stop_token_ids: list[int] = []
+    logit_bias: dict[int, float] = {}
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
@@ -45,8 +51,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     early_stopping: bool | str = False
     speculative: bool = True  # False: never draft for this request (`heron.core.speculative`)
 
-    def validate(self) -> None:
-        """Raise ValueError naming the first field out of range."""
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first field out of range (``logit_bias`` ids must lie
+        below ``vocab_size`` when it is given)."""
         checks = (
             ("n", self.n >= 1),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1),
@@ -65,6 +72,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"{name} is out of range: {getattr(self, name)!r}")
+        ids = f"0..{vocab_size - 1}" if vocab_size is not None else ">= 0"
+        vocab_size = vocab_size if vocab_size is not None else math.inf
+        bad = next(((t, b) for t, b in self.logit_bias.items()
+                    if not 0 <= t < vocab_size or not -100.0 <= b <= 100.0), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias is out of range: {bad[1]!r} for token {bad[0]} "
+                             f"(token ids {ids}, biases in [-100, 100])")
         if self.num_beams < 1:
             raise ValueError(f"num_beams is out of range: {self.num_beams!r}")
         if self.early_stopping not in (True, False, "never"):
@@ -80,7 +94,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("presence_penalty", self.presence_penalty, 0.0),
             ("frequency_penalty", self.frequency_penalty, 0.0),
             ("repetition_penalty", self.repetition_penalty, 1.0), ("stop", self.stop, []),
-            ("stop_token_ids", self.stop_token_ids, []), ("logprobs", self.logprobs, None),
+            ("stop_token_ids", self.stop_token_ids, []), ("logit_bias", self.logit_bias, {}),
+            ("logprobs", self.logprobs, None),
             ("prompt_logprobs", self.prompt_logprobs, None)) if value != plain]
         if unsupported:
             raise ValueError(f"{unsupported[0]} is not supported with beam search "

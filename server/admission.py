@@ -179,8 +179,8 @@ def beam_fields(req) -> dict:
             if (value := getattr(req, name, None)) is not None}
 
 
-def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+def sampling_params(app: web.Application, req: SamplingFields, *, max_tokens: int | None,
+                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     params = SamplingParams(
         n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
@@ -188,17 +188,30 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
         seed=req.seed, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         stop=[s for s in stop if s], stop_token_ids=list(req.stop_token_ids or []),
+        logit_bias=_logit_bias(req.logit_bias or {}),
         ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens, speculative=req.speculative,
         **beam_fields(req))
-    return validated(params)
+    return validated(params, app[ASYNC_ENGINE].engine.runner.info.vocab_size)
 
 
-def validated(params: SamplingParams) -> SamplingParams:
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's ``logit_bias``, keyed by token id strings, keyed by ids."""
+    by_id = {}
+    for key, value in bias.items():
+        try:
+            by_id[int(key)] = value
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids; got {key!r}",
+                              param="logit_bias") from None
+    return by_id
+
+
+def validated(params: SamplingParams, vocab_size: int | None = None) -> SamplingParams:
     """``params``, or a 400 naming the field `SamplingParams.validate` refused."""
     try:
-        params.validate()
+        params.validate(vocab_size)
     except ValueError as e:  # "<field> is out of range: ..."
         raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from None
     return params

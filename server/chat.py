@@ -36,7 +36,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     max_tokens = req.max_completion_tokens or req.max_tokens
     check_fits(app, prompt_ids, max_tokens, "messages",
                "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
-    params = sampling_params(req, max_tokens=max_tokens,
+    params = sampling_params(app, req, max_tokens=max_tokens,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     async with Generation(request, "chatcmpl", [prompt_ids], params, req.cache_salt,
                           adapter=adapter) as gen:

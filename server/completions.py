@@ -45,7 +45,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         texts, prompts = encode_prompts(request.app, req.prompt)
         for ids in prompts:
             check_fits(request.app, ids, max_tokens, "prompt")
-    params = sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
+    params = sampling_params(request.app, req, max_tokens=max_tokens, logprobs=req.logprobs,
                              prompt_logprobs=req.logprobs if req.echo else None)
     check_beams(request.app, params)
     view = _View(request, req, texts, prompts, score_only)

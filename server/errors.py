@@ -58,7 +58,8 @@ _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
 def from_decode_error(e: msgspec.DecodeError) -> APIError:
     """A msgspec decode/validation error as a 400 whose ``param`` is the field's path."""
     text = str(e)
-    path = m[1] if (m := _AT.search(text)) else ""
+    # msgspec writes a mapping's value as `[...]`: the param is the mapping
+    path = m[1].replace("[...]", "") if (m := _AT.search(text)) else ""
     if unknown := _UNKNOWN.search(text):
         path = f"{path}.{unknown[1]}" if path else unknown[1]
         return bad_request(f"unknown or unsupported field `{path}`", param=path,

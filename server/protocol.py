@@ -3,7 +3,7 @@
 Unknown fields are refused (a misspelt option must not be silently ignored). Fields that
 clients commonly send and that change nothing here (``user``, ``metadata``, ``store``...)
 are accepted and ignored. Fields that would change the answer but are not implemented
-(``suffix``, ``tools``, ``logit_bias``...) are declared only so that `unsupported_field`
+(``suffix``, ``tools``, ``best_of``...) are declared only so that `unsupported_field`
 can refuse them by name.
 """
 
@@ -23,6 +23,8 @@ NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 # NLLB language codes (``eng_Latn``): one for every input, or one per input
 LanguageCodes = str | list[str]
 NumBeams = Annotated[int, Meta(ge=1, le=64)]
+# most logit_bias entries in one request: each costs host work in every step of the request
+MAX_LOGIT_BIAS = 1024
 # beam search stops: as soon as num_beams hypotheses end (true), when the best running one
 # cannot win any more (false), or by that test at the longest length ("never")
 EarlyStopping = bool | Literal["never"]
@@ -71,14 +73,14 @@ class SamplingFields(_Body, kw_only=True):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    # refused by name unless empty (see `unsupported_field`)
-    logit_bias: dict[str, float] | None = None
+    # token id (a string, as JSON keys are) -> bias added to its logit
+    logit_bias: Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]],
+                          Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    # refused by name unless equal to n (see `unsupported_field`)
     best_of: int | None = None
 
     def unsupported_field(self) -> str | None:
         """The first field set to something this server does not implement, or None."""
-        if self.logit_bias:
-            return "logit_bias"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of"
         return None

@@ -120,6 +120,31 @@ def test_completion_stop_and_stop_token_ids(client, tokenizer):
     assert by_id.choices[0].finish_reason == "stop" and by_id.usage.completion_tokens <= 3
 
 
+def test_logit_bias_bans_and_forces_tokens_and_leaves_logprobs_raw(client):
+    as_ids = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+
+    def ids_of(choice):
+        return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+
+    full = completion(client, logprobs=5, max_tokens=6, extra_body=as_ids).choices[0]
+    first = ids_of(full)[0]
+    banned = completion(client, logprobs=0, max_tokens=6, logit_bias={str(first): -100},
+                        extra_body=as_ids).choices[0]
+    assert ids_of(banned)[0] != first
+    # the runner-up of the first step, forced at every step; its logprob is the raw one
+    runner_up, raw = sorted(full.logprobs.top_logprobs[0].items(), key=lambda kv: -kv[1])[1]
+    forced_id = int(runner_up.removeprefix("token_id:"))
+    forced = completion(client, logprobs=0, max_tokens=6, logit_bias={str(forced_id): 100},
+                        extra_body=as_ids).choices[0]
+    assert ids_of(forced) == [forced_id] * 6
+    assert forced.logprobs.token_logprobs[0] == pytest.approx(raw, abs=1e-5)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+        temperature=0.0, logit_bias={str(forced_id): 100}, logprobs=True,
+        extra_body=as_ids).choices[0]
+    assert [int(c.token.removeprefix("token_id:")) for c in chat.logprobs.content] == [forced_id] * 4
+
+
 def test_completion_logprobs_and_echo(server, client, tokenizer):
     ids = tokenizer.encode(PROMPT)
     out = completion(client, logprobs=3, echo=True).choices[0]

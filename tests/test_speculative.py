@@ -159,7 +159,8 @@ def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size(tiny):
 def test_seeded_sampling_gives_the_same_tokens_with_drafts(request, model):
     path, _ = request.getfixturevalue(model)
     params = [SamplingParams(max_tokens=32, temperature=0.8, top_k=20, seed=100 + i,
-                             ignore_eos=True, repetition_penalty=1.1)
+                             ignore_eos=True, repetition_penalty=1.1,
+                             logit_bias={5: 2.0, 9: -1.5} if i % 2 else {})
               for i in range(len(prompts()))]
     plain = run(make_engine(path), params)
     engine = make_engine(path, **NGRAM)
