@@ -4,8 +4,9 @@
 #   bash bench/gpu.sh [gpu_bench.py args, e.g. --only decode,prefill]
 #
 # heron is not pip-installed on the device, so this builds a throw-away `heron` namespace
-# (symlinks core, plugins, server) and puts it first on PYTHONPATH. If msgspec is missing
-# there, carry its wheel in .whl/ (see the device tool's notes); it is installed to a temp dir.
+# (symlinks core, plugins, server) and puts it first on PYTHONPATH. If msgspec or llguidance
+# (structured outputs) is missing there, carry its wheel in .whl/ (see the device tool's
+# notes); it is installed to a temp dir.
 # Results (test log, JSON, markdown) go to $OUT, else bench/results/. Budget: < 6 minutes.
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,7 +20,7 @@ trap 'rm -rf "$SHIM"' EXIT
 mkdir -p "$SHIM/pkgs/heron" "$SHIM/stubs"
 for part in core plugins server; do ln -s "$REPO/$part" "$SHIM/pkgs/heron/$part"; done
 export PYTHONPATH="$SHIM/pkgs:$REPO${PYTHONPATH:+:$PYTHONPATH}"
-# Wheels carried to the device (.whl/, e.g. msgspec, absent from its image) go to a temp target.
+# Wheels carried to the device in .whl/ (msgspec, llguidance: not in its image) go to a temp dir.
 if ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SHIM/site" \
     "$REPO"/.whl/*.whl && export PYTHONPATH="$PYTHONPATH:$SHIM/site"

@@ -20,6 +20,7 @@ from heron.core.beams import BeamGroup
 from heron.core.block_pool import BlockPool
 from heron.core.config import Config
 from heron.core.device import resolve_device, to_device
+from heron.core.grammar import Grammars
 from heron.core.inflight import InflightStep, placeholder
 from heron.core.kv_cache import (allocate_cache, allocate_host_kv, allocate_lora, copy_block_rows,
                                  copy_blocks, num_kv_blocks_for, num_swap_blocks_for)
@@ -122,6 +123,8 @@ class Engine:
                                    encoder_stages=(self.runner.encoder_stages
                                                    if self.runner.is_encoder_decoder else 0))
         self.sampler = Sampler(info.eos_token_ids)
+        self.grammars = (Grammars(self.tokenizer.backend, info.vocab_size, info.eos_token_ids)
+                         if self.tokenizer is not None else None)
         self.batch_builder = BatchBuilder(engine.block_size, self.device)
         self.graphs = None
         if (self.device.type == "cuda" and engine.cuda_graphs
@@ -261,6 +264,7 @@ class Engine:
         prompt_ids = self._encode(prompt)
         self._check_fits(prompt_ids, params)
         encoder_ids = self._encoder_prompt(encoder_prompt)
+        grammars = self._grammar_matchers(params)
         arrival = next(self._arrivals)
         seqs, outputs = [], []
         namespace = Namespace(adapter=adapter_key, tenant=tenant)
@@ -269,6 +273,8 @@ class Engine:
                            namespace, encoder_ids)
             if params.seed is not None:
                 seq.generator = torch.Generator(self.device).manual_seed(params.seed + index)
+            if grammars:
+                seq.grammar = grammars[index]
             seqs.append(seq)
             if params.num_beams == 1:  # beam outputs are the search's (`BeamGroup`)
                 outputs.append(SeqOutput(seq, index, self.tokenizer,
@@ -322,6 +328,18 @@ class Engine:
             search.step(torch.zeros(1, self.runner.info.vocab_size))
             group.beams = [root] * params.num_beams
         return group
+
+    def _grammar_matchers(self, params: SamplingParams) -> list:
+        """One matcher per sequence of a request with structured outputs (none without)."""
+        spec = params.structured_outputs
+        if spec is None:
+            return []
+        if self.grammars is None:
+            raise ValueError("structured_outputs needs a tokenizer; this model has none")
+        if self.runner.is_encoder_decoder:
+            raise ValueError(f"structured_outputs is not available for model "
+                             f"{self.runner.info.name!r}: an encoder-decoder")
+        return self.grammars.matchers(spec, params.n)
 
     def _encoder_prompt(self, prompt: str | list[int] | None) -> tuple[int, ...]:
         runner = self.runner

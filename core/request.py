@@ -51,6 +51,12 @@ class SeqOutput:
         matched = self._add_text(token_id)
         if matched is not None:
             return self.finish("stop", matched, flush=False)
+        if seq.grammar is not None:
+            if not seq.grammar.consume_token(token_id):  # the mask allowed it: a bug if so
+                return self.finish("error", error="the output left its structured-output "
+                                   f"grammar: {seq.grammar.get_error()}")
+            if seq.grammar.is_stopped():  # complete: nothing but EOS may follow
+                return self.finish("stop")
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             return self.finish("length")
         if len(seq) >= self.max_model_len:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from heron.core.device import to_device
+from heron.core.grammar import apply_grammar_masks
 from heron.core.logprobs import (TokenLogprobs, describe_token_logprobs,
                                  token_logprob_tensors)
 from heron.core.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
@@ -77,11 +78,11 @@ class PendingSample:
 class Sampler:
     """Samples one token per row, vLLM-compatible in the order settings are applied.
 
-    Per row: raw logprobs for reporting, min_tokens bans, logit bias, penalties, then
-    either argmax (greedy rows) or temperature, top-k, top-p, min-p and a draw. A row of a
-    request with a seed draws its noise only from ``seq.generator``, so its tokens depend
-    on nothing but its own logits and seed: not on batch size, row position or other
-    requests.
+    Per row: raw logprobs for reporting, min_tokens bans, logit bias, penalties, the
+    structured output's mask, then either argmax (greedy rows) or temperature, top-k, top-p,
+    min-p and a draw. A row of a request with a seed draws its noise only from
+    ``seq.generator``, so its tokens depend on nothing but its own logits and seed: not on
+    batch size, row position or other requests.
     """
 
     def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
@@ -117,6 +118,7 @@ class Sampler:
         apply_min_tokens(logits, seqs, self.eos_token_ids)
         apply_logit_bias(logits, seqs)
         apply_penalties(logits, seqs)
+        apply_grammar_masks(logits, seqs)
         chosen = self._choose(logits, seqs).masked_fill_(is_failed, -1)
         logprob_tensors = ()
         if rows:  # a failed row's entry is described as token 0, then dropped

@@ -7,6 +7,33 @@ import math
 import msgspec
 
 
+class StructuredOutput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What the output must match (vLLM's ``structured_outputs``), exactly one of: ``json``,
+    a JSON schema (``{"type": "object"}``: any JSON object); ``regex``; ``choice``, one of
+    these strings; ``grammar``, a Lark grammar. The output ends once it is complete."""
+
+    json: dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """The one field set (`validate` checks there is one)."""
+        return next(name for name in _STRUCTURED_KINDS if getattr(self, name) is not None)
+
+    def validate(self) -> None:
+        given = [name for name in _STRUCTURED_KINDS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice "
+                             f"and grammar; got {given or 'none'}")
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured_outputs: choice must list at least one string")
+
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What a request asks of generation.
 
@@ -18,13 +45,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ``logit_bias`` maps token ids to a bias in ``[-100, 100]`` added to their logits before
     the penalties and sampling (OpenAI's field; -100 all but bans a token, 100 all but
     forces it); the logprobs stay those of the raw distribution, as vLLM's.
+    ``structured_outputs`` constrains the output to a grammar (`StructuredOutput`,
+    `heron.core.grammar`); logprobs stay those of the unconstrained distribution.
 
     ``num_beams > 1`` asks for beam search with transformers' ``generate`` semantics
     (`heron.core.beam_search`): ``length_penalty``, ``early_stopping`` (True, False or
     "never"), ``min_tokens``, ``max_tokens``; the ``n`` best hypotheses (``n <= num_beams``)
     are the request's outputs. It is deterministic, as transformers' is without sampling:
     temperature and the top-k/top-p/min-p filters do not apply, and penalties, logit
-    bias, stop strings and logprobs are refused.
+    bias, structured outputs, stop strings and logprobs are refused.
     """
 
     n: int = 1
@@ -41,6 +70,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop: list[str] = []
     stop_token_ids: list[int] = []
     logit_bias: dict[int, float] = {}
+    structured_outputs: StructuredOutput | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
@@ -79,6 +109,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if bad is not None:
             raise ValueError(f"logit_bias is out of range: {bad[1]!r} for token {bad[0]} "
                              f"(token ids {ids}, biases in [-100, 100])")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
         if self.num_beams < 1:
             raise ValueError(f"num_beams is out of range: {self.num_beams!r}")
         if self.early_stopping not in (True, False, "never"):
@@ -95,6 +127,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("frequency_penalty", self.frequency_penalty, 0.0),
             ("repetition_penalty", self.repetition_penalty, 1.0), ("stop", self.stop, []),
             ("stop_token_ids", self.stop_token_ids, []), ("logit_bias", self.logit_bias, {}),
+            ("structured_outputs", self.structured_outputs, None),
             ("logprobs", self.logprobs, None),
             ("prompt_logprobs", self.prompt_logprobs, None)) if value != plain]
         if unsupported:

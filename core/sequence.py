@@ -32,6 +32,7 @@ class Sequence:
     (the scheduler spreads a long source's over steps; recompute resets it to zero).
     ``draft_token_ids`` are tokens a proposer drafted to follow ``token_ids`` this step
     (`heron.core.speculative`): scheduled after them, never part of them.
+    ``grammar`` is the matcher of its structured output (`heron.core.grammar`), if any.
     ``family_state`` is whatever the model family's ``alloc_sequence`` returned; the engine
     never looks inside it.
     """
@@ -40,7 +41,7 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_table", "status", "params", "arrival", "family_state", "generator",
         "namespace", "num_cached_tokens", "host_block_table", "state_slot", "lora_slot",
-        "encoder_token_ids", "encoder_stages_done", "draft_token_ids",
+        "encoder_token_ids", "encoder_stages_done", "draft_token_ids", "grammar",
     )
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
@@ -66,6 +67,7 @@ class Sequence:
         self.encoder_token_ids = encoder_token_ids  # an encoder-decoder's source; () otherwise
         self.encoder_stages_done = 0
         self.draft_token_ids: list[int] = []  # this step's speculative drafts, to verify
+        self.grammar: Any = None  # an llguidance.LLMatcher: what the output may be next
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from heron.core.chat_template import ChatTemplateError
-from heron.core.sampling_params import SamplingParams
+from heron.core.sampling_params import SamplingParams, StructuredOutput
 from heron.server.appkeys import ASYNC_ENGINE, CONFIG, MODEL_NAME
 from heron.server.errors import APIError, bad_request
 from heron.server.limits import check_limits
@@ -188,7 +188,7 @@ def sampling_params(app: web.Application, req: SamplingFields, *, max_tokens: in
         seed=req.seed, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         stop=[s for s in stop if s], stop_token_ids=list(req.stop_token_ids or []),
-        logit_bias=_logit_bias(req.logit_bias or {}),
+        logit_bias=_logit_bias(req.logit_bias or {}), structured_outputs=_structured(req),
         ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens, speculative=req.speculative,
@@ -206,6 +206,30 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
             raise bad_request(f"logit_bias keys must be token ids; got {key!r}",
                               param="logit_bias") from None
     return by_id
+
+
+def _structured(req: SamplingFields) -> StructuredOutput | None:
+    """The request's `StructuredOutput`, from vLLM's ``structured_outputs`` or OpenAI's
+    ``response_format`` (not both)."""
+    fmt, vllm = req.response_format, req.structured_outputs
+    if fmt is not None and fmt.type != "text":
+        if vllm is not None:
+            raise bad_request("set `response_format` or `structured_outputs`, not both",
+                              param="structured_outputs")
+        if fmt.type == "json_object":
+            return StructuredOutput(json={"type": "object"})
+        if fmt.json_schema is None:
+            raise bad_request("`response_format` of type json_schema needs `json_schema`",
+                              param="response_format.json_schema")
+        return StructuredOutput(json=fmt.json_schema.schema or {})
+    if vllm is None:
+        return None
+    if vllm.json_object and vllm.json is not None:
+        raise bad_request("`structured_outputs`: set json or json_object, not both",
+                          param="structured_outputs")
+    # `validated` checks that exactly one is set
+    return StructuredOutput(json={"type": "object"} if vllm.json_object else vllm.json,
+                            regex=vllm.regex, choice=vllm.choice, grammar=vllm.grammar)
 
 
 def validated(params: SamplingParams, vocab_size: int | None = None) -> SamplingParams:

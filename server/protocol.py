@@ -38,6 +38,30 @@ class StreamOptions(_Body, kw_only=True):
     include_usage: bool = False
 
 
+class JsonSchema(_Body, kw_only=True):
+    """OpenAI's ``response_format.json_schema``; no ``schema``: any JSON value."""
+
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(_Body, kw_only=True):
+    """vLLM's ``structured_outputs``: exactly one of these."""
+
+    json: dict[str, Any] | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], Meta(min_length=1)] | None = None
+    grammar: str | None = None  # Lark
+    json_object: bool | None = None
+
+
 class SamplingFields(_Body, kw_only=True):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -68,6 +92,9 @@ class SamplingFields(_Body, kw_only=True):
     cache_salt: Annotated[str, Meta(min_length=1)] | None = None
     # false: no speculative drafts for this request (outputs are the same either way)
     speculative: bool = True
+    # the output matches a JSON schema, a regex, ... (vLLM's, or OpenAI's response_format)
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None
     # accepted and ignored: they do not change the output
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -160,11 +187,6 @@ def unsupported_part(messages: list[ChatMessage]) -> str | None:
     return None
 
 
-class ResponseFormat(_Body, kw_only=True):
-    type: str
-    json_schema: Any = None
-
-
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
@@ -181,7 +203,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: ResponseFormat | None = None
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None
@@ -192,8 +213,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
                 return name
         if self.tool_choice not in (None, "none"):
             return "tool_choice"
-        if self.response_format is not None and self.response_format.type != "text":
-            return "response_format"
         if self.modalities is not None and self.modalities != ["text"]:
             return "modalities"
         for i, message in enumerate(self.messages):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from heron.core.sampling_params import SamplingParams
+from heron.core.sampling_params import SamplingParams, StructuredOutput
 from heron.core.sequence import SequenceStatus
 from tests.engine_utils import assert_no_leaks, make_engine, run_to_end
 from tests.hybrid_models import build_hybrid
@@ -79,10 +79,10 @@ def seeded(seed, **kw):
 
 
 def sampling_wave(engine) -> list:
-    """Greedy, seeded sampling with filters, penalties and logit bias, min_tokens, stop
-    strings and stop token ids (found a step late), logprobs, prompt logprobs, n > 1, beams:
-    requests for one batch, each finishing at its own step. ``engine`` (any) picks the
-    stops."""
+    """Greedy, seeded sampling with filters, penalties and logit bias, structured outputs,
+    min_tokens, stop strings and stop token ids (found a step late), logprobs, prompt
+    logprobs, n > 1, beams: requests for one batch, each finishing at its own step.
+    ``engine`` (any) picks the stops."""
     text = engine.generate(["Paged attention"], greedy(ignore_eos=True, max_tokens=20))[0]
     ids = text.outputs[0].token_ids
     stop_text = engine.tokenizer.decode(ids[5:7])  # ends a stream a few tokens in
@@ -98,6 +98,11 @@ def sampling_wave(engine) -> list:
                                                     presence_penalty=0.4), {}),
         ("logit-bias", "The quick brown fox", seeded(6, logit_bias={ids[1]: 3.0, ids[2]: -4.0},
                                                      repetition_penalty=1.2, logprobs=2), {}),
+        ("regex", "emoji", seeded(7, structured_outputs=StructuredOutput(
+            regex=r"[a-z]{1,4}( [a-z]{1,4}){0,3}")), {}),
+        ("json", "The quick", greedy(structured_outputs=StructuredOutput(
+            json={"type": "object", "properties": {"a": {"type": "boolean"}},
+                  "required": ["a"], "additionalProperties": False})), {}),
         ("min-tokens", "def add(a, b):", seeded(3, min_tokens=6, stop_token_ids=[ids[0]],
                                                 ignore_eos=False), {}),
         ("logprobs", "Caf\u00e9", seeded(4, logprobs=3, max_tokens=7), {}),

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 
+import jsonschema
 import openai
 import pytest
 import structlog
@@ -227,6 +229,28 @@ def test_chat_logprobs_n_stop_seed(client):
     text = chat(client).choices[0].message.content
     stopped = chat(client, stop=text[3:5]).choices[0]
     assert stopped.finish_reason == "stop" and stopped.message.content == text[:text.index(text[3:5])]
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 99}}}
+
+
+def test_structured_outputs_whole_and_streamed(client):
+    person = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    whole = chat(client, max_tokens=80, response_format=person, extra_body={}).choices[0]
+    assert whole.finish_reason == "stop"
+    jsonschema.validate(json.loads(whole.message.content), PERSON)
+    chunks = chat(client, max_tokens=80, response_format=person, extra_body={}, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
+        whole.message.content)
+    choices = ["left", "right", "up \"quoted\""]
+    picked = completion(client, n=3, temperature=1.0, seed=2, max_tokens=20,
+                        extra_body={"structured_outputs": {"choice": choices}})
+    assert all(c.text in choices and c.finish_reason == "stop" for c in picked.choices)
+    regex = completion(client, max_tokens=20,
+                       extra_body={"structured_outputs": {"regex": "[a-z]{3}-[0-9]{2}"}})
+    assert re.fullmatch("[a-z]{3}-[0-9]{2}", regex.choices[0].text)
 
 
 def test_chat_streaming_matches_whole(client):

@@ -6,6 +6,9 @@ model exactly as `heron serve` without MODEL does.
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 
 from heron.core.config import load_config
@@ -112,3 +115,25 @@ def test_chat_logprob_bytes_join_into_the_content(client):
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
                 for e in c.choices[0].logprobs.content]
     assert [e.bytes for e in streamed[:len(entries)]] == [e.bytes for e in entries]
+
+
+CITY = {"type": "object", "additionalProperties": False, "required": ["country", "capital"],
+        "properties": {"country": {"type": "string"}, "capital": {"type": "string"}}}
+
+
+def test_json_schema_and_json_object_answers(client):
+    """The real model under a grammar: a JSON answer that the schema accepts, with the
+    capital right."""
+    ask = QUESTION[0]["content"] + " Answer in JSON."
+    out = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", messages=[{"role": "user", "content": ask}],
+        temperature=0.0, max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}})
+    choice = out.choices[0]
+    answer = json.loads(choice.message.content)
+    jsonschema.validate(answer, CITY)
+    assert choice.finish_reason == "stop" and "Paris" in answer["capital"]
+    free = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", messages=[{"role": "user", "content": ask}],
+        temperature=0.0, max_tokens=64, response_format={"type": "json_object"}).choices[0]
+    assert free.finish_reason == "stop" and isinstance(json.loads(free.message.content), dict)
