@@ -336,7 +336,8 @@ class Scheduler:
                 self._preempt_last(out)
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.block_table += self._allocate(needed)
+            if needed:  # most decodes fit the last block
+                seq.block_table += self._allocate(needed)
             out.scheduled.append(ScheduledSeq(seq, num_tokens, stages))
             budget -= cost + num_tokens
         if out.preempted:
