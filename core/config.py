@@ -132,6 +132,7 @@ class ServerConfig(_Section):
     max_stop_length: int = 256
     request_timeout_s: float | None = None
     drain_timeout_s: float = 30.0
+    tool_call_parser: str = ""
 
     @property
     def key_tenants(self) -> list[tuple[str, str]]:
@@ -169,6 +170,8 @@ class ServerConfig(_Section):
             ("request_timeout_s", self.request_timeout_s is None or self.request_timeout_s > 0,
              "must be > 0"),
             ("drain_timeout_s", self.drain_timeout_s >= 0, "must be >= 0"),
+            ("tool_call_parser", self.tool_call_parser in ("", "hermes"),
+             'must be "" or "hermes"'),
         )
 
 

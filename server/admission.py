@@ -5,6 +5,7 @@ Everything here raises `APIError` (400 or 404) before any engine work is queued.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from aiohttp import web
@@ -101,19 +102,12 @@ _CONTENT_REQUIRED = ("system", "developer", "user", "tool")  # as OpenAI's API
 
 def chat_prompt(app: web.Application, messages: list[ChatMessage], *,
                 add_generation_prompt: bool = True, add_special_tokens: bool = False,
-                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                template_kwargs: dict[str, Any] | None = None,
+                tools: list[dict] | None = None) -> list[int]:
     """Token ids of ``messages`` rendered with the model's chat template (which writes any
-    BOS itself; ``add_special_tokens`` adds the tokenizer's too, as vLLM's /tokenize)."""
-    plain = []
-    for i, m in enumerate(messages):
-        if m.content is None and m.role in _CONTENT_REQUIRED:
-            raise bad_request(f"`messages[{i}].content` is required in a {m.role} message",
-                              param=f"messages[{i}].content")
-        content = m.content if not isinstance(m.content, list) else [
-            {"type": "text", "text": part.text} for part in m.content]
-        role = "system" if m.role == "developer" else m.role  # templates predate "developer"
-        plain.append({"role": role, "content": content or "",
-                      **({"name": m.name} if m.name else {})})
+    BOS itself; ``add_special_tokens`` adds the tokenizer's too, as vLLM's /tokenize), with
+    ``tools`` as its ``tools`` variable."""
+    plain = [_template_message(i, m) for i, m in enumerate(messages)]
     reserved = {"messages", "add_generation_prompt", "tokenize", "special_tokens", "template"}
     if clash := sorted(reserved & set(template_kwargs or ())):
         raise bad_request(f"`chat_template_kwargs` may not set {', '.join(clash)}",
@@ -121,11 +115,42 @@ def chat_prompt(app: web.Application, messages: list[ChatMessage], *,
     tokenizer = tokenizer_of(app)
     try:
         text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
-                                             **(template_kwargs or {}))
+                                             **(template_kwargs or {}),
+                                             **({"tools": tools} if tools else {}))
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
     except ChatTemplateError as e:
         raise bad_request(f"the chat template refused the messages: {e}",
                           param="messages") from None
+
+
+def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates take it: "developer" as "system" (templates predate
+    it), text parts as text, and an earlier call's arguments as an object, as transformers'
+    templates expect (vLLM does the same)."""
+    if m.content is None and m.role in _CONTENT_REQUIRED:
+        raise bad_request(f"`messages[{i}].content` is required in a {m.role} message",
+                          param=f"messages[{i}].content")
+    content = m.content if not isinstance(m.content, list) else [
+        {"type": "text", "text": part.text} for part in m.content]
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                           "content": content or ""}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.function.name, "arguments": _arguments(c.function.arguments, i, j)}}
+            for j, c in enumerate(m.tool_calls)]
+    return out
+
+
+def _arguments(text: str, i: int, j: int) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise bad_request(f"`messages[{i}].tool_calls[{j}].function.arguments` is not JSON",
+                          param=f"messages[{i}].tool_calls[{j}].function.arguments") from None
 
 
 def check_fits(app: web.Application, prompt_ids: list[int], max_tokens: int | None,
@@ -180,7 +205,10 @@ def beam_fields(req) -> dict:
 
 
 def sampling_params(app: web.Application, req: SamplingFields, *, max_tokens: int | None,
-                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+                    logprobs: int | None, prompt_logprobs: int | None = None,
+                    structured: StructuredOutput | None = None) -> SamplingParams:
+    """The engine's params for ``req``; ``structured`` (tool calls' grammar) stands in
+    for the request's own structured output, which it excludes."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     params = SamplingParams(
         n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
@@ -188,7 +216,7 @@ def sampling_params(app: web.Application, req: SamplingFields, *, max_tokens: in
         seed=req.seed, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         stop=[s for s in stop if s], stop_token_ids=list(req.stop_token_ids or []),
-        logit_bias=_logit_bias(req.logit_bias or {}), structured_outputs=_structured(req),
+        logit_bias=_logit_bias(req.logit_bias or {}), structured_outputs=structured or _structured(req),
         ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens, speculative=req.speculative,

@@ -2,7 +2,8 @@
 
 Streaming follows OpenAI: each choice's first chunk carries ``role: "assistant"``, later
 ones the new ``content``, the last one its ``finish_reason``; with
-``stream_options.include_usage`` a final chunk with no choices carries the usage.
+``stream_options.include_usage`` a final chunk with no choices carries the usage. Tool
+calls: `heron.server.tools`.
 """
 
 from __future__ import annotations
@@ -12,15 +13,16 @@ from msgspec import UNSET
 
 from heron.server.admission import (chat_prompt, check_fits, check_request,
                                     returns_token_ids, sampling_params)
-from heron.server.appkeys import TOKEN_TEXTS
+from heron.server.appkeys import CONFIG, TOKEN_TEXTS
 from heron.server.errors import bad_request, decode_body
 from heron.server.generation import Generation
 from heron.server.logprob_format import chat_logprobs, token_id_text
 from heron.server.protocol import ChatCompletionRequest
 from heron.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionResponse, ChatDelta, ChatLogprobs,
-                                    ChatMessageOut, api_finish_reason, encode)
+                                    ChatMessageOut, ToolCallDelta, api_finish_reason, encode)
 from heron.server.sse import EventStream
+from heron.server.tools import ToolPlan, plan_tools
 from heron.server.translation_jobs import refuse_translation_model
 
 
@@ -31,39 +33,51 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     refuse_translation_model(app, "/v1/chat/completions")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+    tools = plan_tools(req, app[CONFIG].server.tool_call_parser)
     prompt_ids = chat_prompt(app, req.messages, add_generation_prompt=req.add_generation_prompt,
-                             template_kwargs=req.chat_template_kwargs)
+                             template_kwargs=req.chat_template_kwargs,
+                             tools=tools.template_tools if tools else None)
     max_tokens = req.max_completion_tokens or req.max_tokens
     check_fits(app, prompt_ids, max_tokens, "messages",
                "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
     params = sampling_params(app, req, max_tokens=max_tokens,
-                             logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+                             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                             structured=tools.structured if tools else None)
     async with Generation(request, "chatcmpl", [prompt_ids], params, req.cache_salt,
                           adapter=adapter) as gen:
         if req.stream:
-            return await _stream(request, req, gen)
+            return await _stream(request, req, gen, tools)
         await gen.run_to_end()
         if (error := gen.failure()) is not None:
             raise error
         text_of = token_id_text if req.return_tokens_as_token_ids else app[TOKEN_TEXTS]
         bytes_of = app[TOKEN_TEXTS].bytes_of
         ids = returns_token_ids(app, req)
-        choices = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.text),
-                              logprobs=ChatLogprobs(content=chat_logprobs(c.logprobs, text_of,
-                                                                          bytes_of))
-                              if req.logprobs else None,
-                              finish_reason=api_finish_reason(c.finish_reason),
-                              stop_reason=c.stop_reason,
-                              token_ids=c.token_ids if ids else UNSET)
-                   for c in sorted(gen.choices.values(), key=lambda c: c.index)]
+        choices = []
+        for c in sorted(gen.choices.values(), key=lambda c: c.index):
+            content, calls = tools.parse(c.text) if tools else (c.text, [])
+            choices.append(ChatChoice(
+                index=c.index, message=ChatMessageOut(content=content, tool_calls=calls),
+                logprobs=ChatLogprobs(content=chat_logprobs(c.logprobs, text_of, bytes_of))
+                if req.logprobs else None,
+                finish_reason=_finish_reason(c.finish_reason, calls), stop_reason=c.stop_reason,
+                token_ids=c.token_ids if ids else UNSET))
         body = ChatCompletionResponse(id=gen.id, created=gen.created, model=gen.model,
                                       choices=choices, usage=gen.usage(),
                                       prompt_token_ids=prompt_ids if ids else UNSET)
         return web.Response(body=encode(body), content_type="application/json")
 
 
-async def _stream(request: web.Request, req: ChatCompletionRequest,
-                  gen: Generation) -> web.StreamResponse:
+def _finish_reason(reason: str | None, calls: list) -> str | None:
+    """The API's finish reason: ``tool_calls`` for an output that ended with its calls
+    complete."""
+    return "tool_calls" if calls and reason == "stop" else api_finish_reason(reason)
+
+
+async def _stream(request: web.Request, req: ChatCompletionRequest, gen: Generation,
+                  tools: ToolPlan | None) -> web.StreamResponse:
+    """Content streams as it comes; with tools (but "none"), each choice's message comes
+    whole in its last chunk, when its calls can be parsed."""
     events = EventStream(request)
     text_of = token_id_text if req.return_tokens_as_token_ids else request.app[TOKEN_TEXTS]
     bytes_of = request.app[TOKEN_TEXTS].bytes_of
@@ -73,6 +87,7 @@ async def _stream(request: web.Request, req: ChatCompletionRequest,
                                    choices=choices)
 
     token_ids = returns_token_ids(request.app, req)
+    held = {} if tools is not None and tools.mode != "none" else None  # choice index -> text
 
     async def produce() -> ChatCompletionChunk | None:
         first = chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant",
@@ -89,11 +104,18 @@ async def _stream(request: web.Request, req: ChatCompletionRequest,
                 logprobs = (ChatLogprobs(content=chat_logprobs(sd.logprobs or [], text_of,
                                                                bytes_of))
                             if req.logprobs and sd.token_ids else None)
-                if sd.text or logprobs or sd.finish_reason or token_ids and sd.token_ids:
+                index = gen.choices[(p, sd.index)].index
+                new, finish = ChatDelta(content=sd.text) if sd.text else ChatDelta(), None
+                if held is not None:
+                    held[index] = held.get(index, "") + sd.text
+                    new = ChatDelta()
+                    if sd.finish_reason:
+                        new, finish = _whole(tools, held.pop(index), sd.finish_reason)
+                if new.content or new.tool_calls or logprobs or sd.finish_reason or (
+                        token_ids and sd.token_ids):
                     choices.append(ChatChunkChoice(
-                        index=gen.choices[(p, sd.index)].index,
-                        delta=ChatDelta(content=sd.text) if sd.text else ChatDelta(),
-                        logprobs=logprobs, finish_reason=api_finish_reason(sd.finish_reason),
+                        index=index, delta=new, logprobs=logprobs,
+                        finish_reason=finish or api_finish_reason(sd.finish_reason),
                         stop_reason=sd.stop_reason,
                         token_ids=sd.token_ids if token_ids else UNSET))
             if choices:
@@ -105,3 +127,12 @@ async def _stream(request: web.Request, req: ChatCompletionRequest,
         return final
 
     return await events.run(produce)
+
+
+def _whole(tools: ToolPlan, text: str, reason: str) -> tuple[ChatDelta, str | None]:
+    content, calls = tools.parse(text)
+    delta = ChatDelta(content=content) if content else ChatDelta()
+    if calls:
+        delta.tool_calls = [ToolCallDelta(index=i, id=c.id, function=c.function)
+                            for i, c in enumerate(calls)]
+    return delta, _finish_reason(reason, calls)

@@ -3,7 +3,7 @@
 Unknown fields are refused (a misspelt option must not be silently ignored). Fields that
 clients commonly send and that change nothing here (``user``, ``metadata``, ``store``...)
 are accepted and ignored. Fields that would change the answer but are not implemented
-(``suffix``, ``tools``, ``best_of``...) are declared only so that `unsupported_field`
+(``suffix``, ``functions``, ``best_of``...) are declared only so that `unsupported_field`
 can refuse them by name.
 """
 
@@ -168,12 +168,49 @@ class ContentPart(_Body, kw_only=True):
     file: Any = None
 
 
+ToolName = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+class FunctionDefinition(_Body, kw_only=True):
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(_Body, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(_Body, kw_only=True):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Body, kw_only=True):
+    name: str
+    arguments: str  # JSON, as the model wrote it
+
+
+class ToolCallIn(_Body, kw_only=True):
+    """A call an earlier assistant message made."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     refusal: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     function_call: Any = None
 
@@ -196,11 +233,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     # vLLM extras for the chat template
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    # harmless without tools
-    parallel_tool_calls: bool | None = None
-    # refused by name unless empty or the default (see `unsupported_field`)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    # unset: "auto" with tools, "none" without
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: "required" makes exactly one call
+    # refused by name unless empty (see `unsupported_field`)
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
@@ -208,18 +245,16 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     prediction: Any = None
 
     def unsupported_field(self) -> str | None:
-        for name in ("tools", "functions", "function_call", "audio", "prediction"):
+        for name in ("functions", "function_call", "audio", "prediction"):
             if getattr(self, name):
                 return name
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice"
         if self.modalities is not None and self.modalities != ["text"]:
             return "modalities"
         for i, message in enumerate(self.messages):
-            if message.role in ("tool", "function"):
+            if message.role == "function":  # the legacy API; "tool" replaces it
                 return f"messages[{i}].role"
-            if message.tool_calls or message.tool_call_id or message.function_call:
-                return f"messages[{i}].tool_calls"
+            if message.function_call:
+                return f"messages[{i}].function_call"
         return unsupported_part(self.messages) or super().unsupported_field()
 
 

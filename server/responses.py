@@ -77,16 +77,35 @@ class ChatLogprobs(_Out, kw_only=True):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ToolCallFunction(_Out, kw_only=True):
+    name: str
+    arguments: str  # JSON
+
+
+class ToolCall(_Out, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ToolCallDelta(ToolCall, kw_only=True):
+    index: int  # of the call in the message
+
+
 class ChatMessageOut(_Out, kw_only=True):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = []
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ChatChoice(_Out, kw_only=True):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
 
@@ -104,13 +123,14 @@ class ChatCompletionResponse(_Out, kw_only=True):
 class ChatDelta(_Out, kw_only=True, omit_defaults=True):
     role: Literal["assistant"] | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 
 class ChatChunkChoice(_Out, kw_only=True):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | UnsetType = UNSET  # with return_token_ids: the new ones
 

@@ -18,6 +18,7 @@ KEYS = ["sk-test-one", "sk-test-two"]
 AUTH = {"Authorization": f"Bearer {KEYS[1]}"}
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "Hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,20 @@ MALFORMED = [
     ("POST", CMPL, cmpl(suffix="tail"), 400, "suffix"),
     ("POST", CMPL, cmpl(best_of=3), 400, "best_of"),
     ("POST", CMPL, cmpl(frobnicate=True), 400, "frobnicate"),
-    ("POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    # tools: "auto" needs a parser this server lacks
+    ("POST", CHAT, chat(tools=[TOOL]), 400, "tool_choice"),
+    ("POST", CHAT, chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}),
+     400, "tool_choice"),
+    ("POST", CHAT, chat(tool_choice="required"), 400, "tool_choice"),
+    ("POST", CHAT, chat(tools=[TOOL, TOOL], tool_choice="required"), 400, "tools"),
+    ("POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "a b"}}],
+                        tool_choice="required"), 400, "tools[0].function.name"),
+    ("POST", CHAT, chat(tools=[TOOL], tool_choice="required",
+                        response_format={"type": "json_object"}), 400, "tool_choice"),
+    ("POST", CHAT, chat(messages=[{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]), 400,
+     "messages[0].tool_calls[0].function.arguments"),
+    ("POST", CHAT, chat(functions=[{"name": "f"}]), 400, "functions"),
     ("POST", CHAT, chat(response_format={"type": "yaml"}), 400, "response_format.type"),
     ("POST", CHAT, chat(response_format={"type": "json_schema"}), 400,
      "response_format.json_schema"),
@@ -117,7 +131,7 @@ MALFORMED = [
     ("POST", CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400,
      "messages[0].content[0].type"),
-    ("POST", CHAT, chat(messages=[{"role": "tool", "content": "42", "tool_call_id": "t"}]), 400,
+    ("POST", CHAT, chat(messages=[{"role": "function", "content": "42", "name": "f"}]), 400,
      "messages[0].role"),
     ("POST", CHAT, chat(chat_template_kwargs={"messages": []}), 400, "chat_template_kwargs"),
     # unknown model, route or method

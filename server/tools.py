@@ -1,0 +1,127 @@
+"""Tool calling for /v1/chat/completions, with vLLM's conventions.
+
+``tool_choice`` decides how calls come out of the model:
+
+* a named function, or ``"required"``: the output is held to a JSON grammar (structured
+  outputs), the function's ``parameters`` schema, or an array of ``{"name", "parameters"}``
+  objects, one of the tools each; so the calls always parse.
+* ``"auto"`` (the default when tools are given): the model decides, and a parser reads its
+  calls out of the text (``server.tool_call_parser``; ``"hermes"``: JSON objects
+  ``{"name", "arguments"}`` between ``<tool_call>`` and ``</tool_call>``, as Qwen and Hermes
+  models write them; the text before the first call is the content). Without a parser,
+  "auto" is refused, as vLLM does.
+* ``"none"``: plain text; the tools are not shown to the chat template.
+
+Arguments come back as JSON strings, OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+from heron.core.sampling_params import StructuredOutput
+from heron.server.errors import bad_request
+from heron.server.protocol import ChatCompletionRequest
+from heron.server.responses import ToolCall, ToolCallFunction
+
+__all__ = ["ToolPlan", "plan_tools"]
+
+PARSERS = ("hermes",)
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+class ToolPlan:
+    """How one request's tools shape its prompt (`template_tools`), its grammar
+    (`structured`) and its answer (`parse`).
+
+    ``mode``: "none", "auto", "required" or "named" (then ``function`` is the name)."""
+
+    def __init__(self, mode: str, tools: list[dict], function: str = "",
+                 parallel: bool = True) -> None:
+        self.mode = mode
+        self.tools = tools
+        self.function = function
+        self.parallel = parallel  # False: "required" makes exactly one call
+
+    @property
+    def template_tools(self) -> list[dict] | None:
+        """The ``tools`` variable of the chat template."""
+        return self.tools if self.mode != "none" else None
+
+    @property
+    def structured(self) -> StructuredOutput | None:
+        if self.mode == "named":
+            return StructuredOutput(json=self._parameters(self.function))
+        if self.mode != "required":
+            return None
+        calls = [{"type": "object", "additionalProperties": False,
+                  "required": ["name", "parameters"],
+                  "properties": {"name": {"const": t["function"]["name"]},
+                                 "parameters": self._parameters(t["function"]["name"])}}
+                 for t in self.tools]
+        return StructuredOutput(json={"type": "array", "minItems": 1,
+                                      **({} if self.parallel else {"maxItems": 1}),
+                                      "items": {"anyOf": calls}})
+
+    def _parameters(self, name: str) -> dict:
+        function = next(t["function"] for t in self.tools if t["function"]["name"] == name)
+        return function.get("parameters") or {"type": "object"}
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The message's content and tool calls in ``text``, the model's output. Calls
+        that do not parse (a length cut, a model's slip) leave ``text`` as the content."""
+        if self.mode == "none":
+            return text, []
+        if self.mode == "named":
+            return None, [_call(self.function, text)]
+        try:
+            if self.mode == "required":
+                return None, [_call(c["name"], _dumps(c["parameters"])) for c in json.loads(text)]
+            calls = [json.loads(m[1]) for m in _HERMES.finditer(text)]
+            calls = [_call(c["name"], _dumps(c.get("arguments", {}))) for c in calls]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return text, []
+        if not calls:
+            return text, []
+        return text[:text.index("<tool_call>")].strip() or None, calls
+
+
+def _dumps(arguments) -> str:
+    return json.dumps(arguments, ensure_ascii=False)
+
+
+def _call(name: str, arguments: str) -> ToolCall:
+    return ToolCall(id=f"chatcmpl-tool-{uuid.uuid4().hex}",
+                    function=ToolCallFunction(name=name, arguments=arguments))
+
+
+def plan_tools(req: ChatCompletionRequest, parser: str) -> ToolPlan | None:
+    """The request's `ToolPlan`, or None without tools; 400s name what is wrong."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none", "auto"):
+            raise bad_request("`tool_choice` needs `tools`", param="tool_choice")
+        return None
+    tools = [{"type": "function", "function": {k: v for k, v in (
+        ("name", t.function.name), ("description", t.function.description),
+        ("parameters", t.function.parameters)) if v is not None}} for t in req.tools]
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("`tools` names a function twice", param="tools")
+    mode, function = choice or "auto", ""
+    if not isinstance(mode, str):
+        mode, function = "named", choice.function.name
+        if function not in names:
+            raise bad_request(f"`tool_choice` names the function `{function}`, which is not "
+                              "among `tools`", param="tool_choice")
+    if mode == "auto" and parser not in PARSERS:
+        raise bad_request('`tool_choice` "auto" needs a tool-call parser: this server has '
+                          'none (server.tool_call_parser); use "required", a named function '
+                          'or "none"', param="tool_choice")
+    if mode != "none" and (req.structured_outputs is not None or (
+            req.response_format is not None and req.response_format.type != "text")):
+        raise bad_request("tool calls and `response_format` / `structured_outputs` exclude "
+                          'each other (unless `tool_choice` is "none")', param="tool_choice")
+    return ToolPlan(mode, tools, function, req.parallel_tool_calls is not False)

@@ -1,0 +1,148 @@
+"""Tool calling through the openai client, on a tiny model whose chat template renders tools
+and earlier calls (Qwen's conventions). Oracles: transformers' `apply_chat_template` for
+the prompt, `jsonschema` for the calls' arguments."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from heron.core.engine import Engine
+from heron.server.tools import ToolPlan
+from tests.server_utils import ServerThread, server_config
+from tests.tiny_models import build_tiny
+
+TEMPLATE = (
+    "{%- if tools %}<s>system: tools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
+    "{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls is defined %}<s>assistant:"
+    "{% for c in m.tool_calls %}<tool_call>{{ {'name': c.function.name, "
+    "'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}\n"
+    "{%- else %}<s>{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<s>assistant:{% endif %}")
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "maxLength": 8},
+                          "unit": {"enum": ["c", "f"]}}}
+TIME = {"type": "object", "additionalProperties": False, "required": ["zone"],
+        "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+HISTORY = ASK + [
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "21"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-tools")
+    build_tiny("llama", path, std=0.15, max_position_embeddings=2048)  # tools' JSON is long
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def client(model_dir):
+    config = server_config(model_dir, **{"server.served_model_name": "tiny",
+                                         "server.tool_call_parser": "hermes"})
+    with ServerThread(config, Engine(config)) as server:
+        yield server.client()
+
+
+def chat(client, **kw):
+    args = {"model": "tiny", "messages": ASK, "temperature": 0.0, "max_tokens": 60,
+            "tools": TOOLS, **kw}
+    return client.chat.completions.create(**args)
+
+
+def oracle_prompt_tokens(model_dir, messages, tools) -> int:
+    """transformers' rendering; earlier calls' arguments as objects, as templates take them."""
+    plain = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(
+        c["function"]["arguments"])}} for c in m["tool_calls"]]} if m.get("tool_calls") else m
+        for m in messages]
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    return len(tokenizer.apply_chat_template(plain, tools=tools, tokenize=True,
+                                             add_generation_prompt=True)["input_ids"])
+
+
+def assert_valid(call) -> None:
+    assert call.type == "function" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_named_function_whole_and_streamed(client, model_dir):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = chat(client, tool_choice=named, messages=HISTORY)
+    assert out.usage.prompt_tokens == oracle_prompt_tokens(model_dir, HISTORY, TOOLS)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert_valid(call)
+    chunks = list(chat(client, tool_choice=named, messages=HISTORY, stream=True))
+    calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+    assert [(t.index, t.function.name, t.function.arguments) for t in calls] == [
+        (0, "get_weather", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_required_gives_calls_of_the_tools(client):
+    out = chat(client, tool_choice="required", n=4, temperature=1.0, seed=4, max_tokens=120,
+               parallel_tool_calls=False)
+    for choice in out.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        [call] = choice.message.tool_calls
+        assert_valid(call)
+    assert {c.message.tool_calls[0].function.name for c in out.choices} == set(SCHEMAS)
+
+
+def test_auto_and_none(client, model_dir):
+    """This random model writes no <tool_call>: "auto" answers in text, with the tools in
+    the prompt; "none" leaves them out of it."""
+    auto = chat(client, max_tokens=12)
+    assert auto.usage.prompt_tokens == oracle_prompt_tokens(model_dir, ASK, TOOLS)
+    assert auto.choices[0].message.tool_calls == [] and auto.choices[0].message.content
+    assert auto.choices[0].finish_reason in ("stop", "length")
+    none = chat(client, tool_choice="none", max_tokens=12)
+    assert none.usage.prompt_tokens == oracle_prompt_tokens(model_dir, ASK, None)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(
+        client, tool_choice="none", max_tokens=12, stream=True) if c.choices)
+    assert streamed == none.choices[0].message.content
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": 2}}\n</tool_call>', None,
+     [("get_time", {"zone": 2})]),
+    ('Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Nice", '
+     '"unit": "c"}}</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": 1}}'
+     '</tool_call>', "Let me check.",
+     [("get_weather", {"city": "Nice", "unit": "c"}), ("get_time", {"zone": 1})]),
+    ("It is sunny.", "It is sunny.", []),
+    ('<tool_call>{"name": "get_time", "arguments": {"zone": ', None, []),  # cut short
+    ('<tool_call>{"arguments": {}}</tool_call>', None, []),  # no name
+])
+def test_hermes_parser(text, content, calls):
+    got_content, got = ToolPlan("auto", TOOLS).parse(text)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in got] == calls
+    assert got_content == (content if calls else text)
+
+
+def test_required_parses_every_call_and_keeps_a_cut_one_as_text():
+    plan = ToolPlan("required", TOOLS)
+    text = ('[{"name":"get_time","parameters":{"zone":3}},'
+            '{"name":"get_weather","parameters":{"city":"Oslo","unit":"f"}}]')
+    content, calls = plan.parse(text)
+    assert content is None and [(c.function.name, json.loads(c.function.arguments))
+                                for c in calls] == [("get_time", {"zone": 3}),
+                                                    ("get_weather", {"city": "Oslo", "unit": "f"})]
+    assert plan.parse(text[:30]) == (text[:30], [])
