@@ -139,9 +139,10 @@ def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
     if m.tool_call_id:
         out["tool_call_id"] = m.tool_call_id
     if m.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-            "name": c.function.name, "arguments": _arguments(c.function.arguments, i, j)}}
-            for j, c in enumerate(m.tool_calls)]
+        out["tool_calls"] = [{**({"id": c.id} if c.id else {}), "type": "function",
+                              "function": {"name": c.function.name,
+                                           "arguments": _arguments(c.function.arguments, i, j)}}
+                             for j, c in enumerate(m.tool_calls)]
     return out
 
 

@@ -137,3 +137,19 @@ def test_json_schema_and_json_object_answers(client):
         model="SmolLM2-135M-Instruct.Q4_1", messages=[{"role": "user", "content": ask}],
         temperature=0.0, max_tokens=64, response_format={"type": "json_object"}).choices[0]
     assert free.finish_reason == "stop" and isinstance(json.loads(free.message.content), dict)
+
+
+def test_named_tool_call(client):
+    """A template without tools still gets calls whose arguments match the schema."""
+    tool = {"type": "function", "function": {"name": "lookup_capital", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["country"],
+        "properties": {"country": {"type": "string"}}}}}
+    out = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", messages=QUESTION, temperature=0.0, max_tokens=32,
+        tools=[tool], tool_choice={"type": "function", "function": {"name": "lookup_capital"}})
+    choice = out.choices[0]
+    [call] = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, tool["function"]["parameters"])
+    assert choice.finish_reason == "tool_calls" and call.function.name == "lookup_capital"
+    assert arguments["country"].lower() == "france"
