@@ -74,9 +74,10 @@ class ToolPlan:
         that do not parse (a length cut, a model's slip) leave ``text`` as the content."""
         if self.mode == "none":
             return text, []
-        if self.mode == "named":
-            return None, [_call(self.function, text)]
         try:
+            if self.mode == "named":
+                json.loads(text)
+                return None, [_call(self.function, text)]
             if self.mode == "required":
                 return None, [_call(c["name"], _dumps(c["parameters"])) for c in json.loads(text)]
             calls = [json.loads(m[1]) for m in _HERMES.finditer(text)]

@@ -146,3 +146,6 @@ def test_required_parses_every_call_and_keeps_a_cut_one_as_text():
                                 for c in calls] == [("get_time", {"zone": 3}),
                                                     ("get_weather", {"city": "Oslo", "unit": "f"})]
     assert plan.parse(text[:30]) == (text[:30], [])
+    named = ToolPlan("named", TOOLS, "get_time")
+    assert [c.function.arguments for c in named.parse('{"zone":5}')[1]] == ['{"zone":5}']
+    assert named.parse('{"zone":') == ('{"zone":', [])
