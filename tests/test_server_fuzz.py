@@ -421,7 +421,10 @@ USER = [{"role": "user", "content": "Hi"}]
 
 @pytest.mark.parametrize("path, body", [
     ("/v1/chat/completions", {"messages": USER, "max_tokens": 1,
-                              "tool_choice": raw(nested(5_000, "list"))}),
+                              "functions": [raw(nested(5_000, "list"))]}),
+    ("/v1/chat/completions", {"messages": USER, "max_tokens": 1, "tools": [
+        {"type": "function", "function": {"name": "f",
+                                          "parameters": {"x": raw(nested(5_000, "dict"))}}}]}),
     ("/v1/chat/completions", {"messages": USER, "max_tokens": 1,
                               "chat_template_kwargs": {"x": raw(nested(5_000, "dict"))}}),
     ("/v1/completions", {"prompt": raw(nested(20_000, "list")), "max_tokens": 1}),
