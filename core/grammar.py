@@ -13,6 +13,7 @@ sequence's previous token: the engine resolves a step's tokens before it samples
 
 from __future__ import annotations
 
+import functools
 import json
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -93,9 +94,11 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     if not rows:
         return
     vocab_size = logits.shape[1]
-    # one bit per token, 32 to an int32 word, lowest bit first
-    words = torch.frombuffer(bytearray(b"".join(seqs[i].grammar.compute_bitmask() for i in rows)),
-                             dtype=torch.int32).view(len(rows), -1)
+    # one bit per token, 32 to an int32 word, lowest bit first; the executor fills the rows
+    # on its own threads, without the GIL
+    words = torch.empty(len(rows), (vocab_size + 31) // 32, dtype=torch.int32)
+    _executor().unsafe_compute_mask_ptr([(seqs[i].grammar, k) for k, i in enumerate(rows)],
+                                        words.data_ptr(), words.shape[1] * 4, len(rows))
     words = to_device(words, torch.int32, logits.device)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab_size]
@@ -105,3 +108,9 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         return
     index = to_device(rows, torch.long, logits.device)
     logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(banned, float("-inf")))
+
+
+@functools.cache
+def _executor():
+    import llguidance  # only once a request asks for structured outputs: see `Grammars`
+    return llguidance.LLExecutor()
