@@ -29,6 +29,7 @@ import random
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -212,11 +213,13 @@ async def first_model(session: aiohttp.ClientSession, url: str) -> str:
 async def run(url: str, workload: list[Request], *, concurrency: int | None = None,
               request_rate: float | None = None, model: str | None = None,
               ignore_eos: bool = False, extra_body: dict | None = None, seed: int = 0,
-              progress: bool = True, timeout_s: float = 3600) -> dict:
+              progress: bool = True, timeout_s: float = 3600,
+              on_text: Callable[[str], None] | None = None) -> dict:
     """Sends ``workload`` and returns the summary (see `summarize`), plus the settings.
 
     ``concurrency`` alone: that many conversations always open. ``request_rate``: Poisson
-    arrivals (requests/s), at most ``concurrency`` open when both are given.
+    arrivals (requests/s), at most ``concurrency`` open when both are given. ``on_text``
+    gets the text of every answer that succeeded.
     """
     if concurrency is None and request_rate is None:
         raise ValueError("give a concurrency, a request rate, or both")
@@ -227,6 +230,8 @@ async def run(url: str, workload: list[Request], *, concurrency: int | None = No
     def on_result(result: Result) -> None:
         results.append(result)
         bar.update()
+        if on_text is not None and result.ok:
+            on_text(result.text)
 
     # A fresh connection per request: some servers close a kept-alive one after a stream.
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
