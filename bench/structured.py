@@ -52,7 +52,9 @@ def people(n: int) -> list[Request]:
 
 def measure(system, port: int, args) -> dict:
     url = f"http://127.0.0.1:{port}"
-    log = (args.out / f"structured-{system.name}.log").open("a")
+    log_dir = args.out / f"structured-{dt.date.today().isoformat()}-logs"
+    log_dir.mkdir(exist_ok=True)
+    log = (log_dir / f"{system.name}.log").open("a")
     proc = subprocess.Popen(system.command, env={**os.environ, **system.env}, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     out = {"version": system.version, "throughput": {}, "validity": {}}
