@@ -20,9 +20,10 @@ from heron.server.logprob_format import chat_logprobs, token_id_text
 from heron.server.protocol import ChatCompletionRequest
 from heron.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionResponse, ChatDelta, ChatLogprobs,
-                                    ChatMessageOut, ToolCallDelta, api_finish_reason, encode)
+                                    ChatMessageOut, FunctionDelta, ToolCallDelta,
+                                    api_finish_reason, encode)
 from heron.server.sse import EventStream
-from heron.server.tools import ToolPlan, plan_tools
+from heron.server.tools import ToolPlan, new_call_id, plan_tools
 from heron.server.translation_jobs import refuse_translation_model
 
 
@@ -60,7 +61,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                 index=c.index, message=ChatMessageOut(content=content, tool_calls=calls),
                 logprobs=ChatLogprobs(content=chat_logprobs(c.logprobs, text_of, bytes_of))
                 if req.logprobs else None,
-                finish_reason=_finish_reason(c.finish_reason, calls), stop_reason=c.stop_reason,
+                finish_reason=_finish_reason(c.finish_reason, bool(calls)),
+                stop_reason=c.stop_reason,
                 token_ids=c.token_ids if ids else UNSET))
         body = ChatCompletionResponse(id=gen.id, created=gen.created, model=gen.model,
                                       choices=choices, usage=gen.usage(),
@@ -68,16 +70,17 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         return web.Response(body=encode(body), content_type="application/json")
 
 
-def _finish_reason(reason: str | None, calls: list) -> str | None:
+def _finish_reason(reason: str | None, called: bool) -> str | None:
     """The API's finish reason: ``tool_calls`` for an output that ended with its calls
     complete."""
-    return "tool_calls" if calls and reason == "stop" else api_finish_reason(reason)
+    return "tool_calls" if called and reason == "stop" else api_finish_reason(reason)
 
 
 async def _stream(request: web.Request, req: ChatCompletionRequest, gen: Generation,
                   tools: ToolPlan | None) -> web.StreamResponse:
-    """Content streams as it comes; with tools (but "none"), each choice's message comes
-    whole in its last chunk, when its calls can be parsed."""
+    """Content streams as it comes, and so do a named call's arguments; with "required" or
+    "auto" tools, each choice's message comes whole in its last chunk, when its calls can
+    be parsed."""
     events = EventStream(request)
     text_of = token_id_text if req.return_tokens_as_token_ids else request.app[TOKEN_TEXTS]
     bytes_of = request.app[TOKEN_TEXTS].bytes_of
@@ -87,7 +90,9 @@ async def _stream(request: web.Request, req: ChatCompletionRequest, gen: Generat
                                    choices=choices)
 
     token_ids = returns_token_ids(request.app, req)
-    held = {} if tools is not None and tools.mode != "none" else None  # choice index -> text
+    mode = tools.mode if tools is not None else "none"
+    held: dict[int, str] = {}  # "required" / "auto": choice index -> text so far
+    call_ids: dict[int, str] = {}  # "named": choice index -> its call's id
 
     async def produce() -> ChatCompletionChunk | None:
         first = chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant",
@@ -106,7 +111,9 @@ async def _stream(request: web.Request, req: ChatCompletionRequest, gen: Generat
                             if req.logprobs and sd.token_ids else None)
                 index = gen.choices[(p, sd.index)].index
                 new, finish = ChatDelta(content=sd.text) if sd.text else ChatDelta(), None
-                if held is not None:
+                if mode == "named":
+                    new, finish = _named_piece(tools, call_ids, index, sd)
+                elif mode != "none":
                     held[index] = held.get(index, "") + sd.text
                     new = ChatDelta()
                     if sd.finish_reason:
@@ -129,10 +136,26 @@ async def _stream(request: web.Request, req: ChatCompletionRequest, gen: Generat
     return await events.run(produce)
 
 
+def _named_piece(tools: ToolPlan, call_ids: dict[int, str], index: int,
+                 sd) -> tuple[ChatDelta, str | None]:
+    """The next piece of a named call's arguments; its first names the call."""
+    first = index not in call_ids
+    if not sd.text and not first:
+        return ChatDelta(), _finish_reason(sd.finish_reason, True)
+    call_id = call_ids.setdefault(index, new_call_id())
+    function = FunctionDelta(arguments=sd.text)
+    piece = ToolCallDelta(index=0, function=function)
+    if first:
+        function.name, piece.id, piece.type = tools.function, call_id, "function"
+    return ChatDelta(tool_calls=[piece]), _finish_reason(sd.finish_reason, True)
+
+
 def _whole(tools: ToolPlan, text: str, reason: str) -> tuple[ChatDelta, str | None]:
     content, calls = tools.parse(text)
     delta = ChatDelta(content=content) if content else ChatDelta()
     if calls:
-        delta.tool_calls = [ToolCallDelta(index=i, id=c.id, function=c.function)
+        delta.tool_calls = [ToolCallDelta(index=i, id=c.id, type="function",
+                                          function=FunctionDelta(name=c.function.name,
+                                                                 arguments=c.function.arguments))
                             for i, c in enumerate(calls)]
-    return delta, _finish_reason(reason, calls)
+    return delta, _finish_reason(reason, bool(calls))

@@ -88,8 +88,18 @@ class ToolCall(_Out, kw_only=True):
     function: ToolCallFunction
 
 
-class ToolCallDelta(ToolCall, kw_only=True):
+class FunctionDelta(_Out, kw_only=True, omit_defaults=True):
+    name: str | UnsetType = UNSET  # in a call's first chunk
+    arguments: str = ""  # the next piece of the JSON
+
+
+class ToolCallDelta(_Out, kw_only=True, omit_defaults=True):
+    """A piece of a streamed call: its first has ``id``, ``type`` and ``function.name``."""
+
     index: int  # of the call in the message
+    id: str | UnsetType = UNSET
+    type: Literal["function"] | UnsetType = UNSET
+    function: FunctionDelta
 
 
 class ChatMessageOut(_Out, kw_only=True):

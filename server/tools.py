@@ -26,7 +26,7 @@ from heron.server.errors import bad_request
 from heron.server.protocol import ChatCompletionRequest
 from heron.server.responses import ToolCall, ToolCallFunction
 
-__all__ = ["ToolPlan", "plan_tools"]
+__all__ = ["ToolPlan", "new_call_id", "plan_tools"]
 
 PARSERS = ("hermes",)
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -70,14 +70,14 @@ class ToolPlan:
         return function.get("parameters") or {"type": "object"}
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The message's content and tool calls in ``text``, the model's output. Calls
-        that do not parse (a length cut, a model's slip) leave ``text`` as the content."""
+        """The message's content and tool calls in ``text``, the model's output. A named
+        call is the text, whole or cut short; other calls that do not parse (a length cut,
+        a model's slip) leave ``text`` as the content."""
         if self.mode == "none":
             return text, []
+        if self.mode == "named":  # streamed as it comes, cut short or not: OpenAI's way
+            return None, [_call(self.function, text)]
         try:
-            if self.mode == "named":
-                json.loads(text)
-                return None, [_call(self.function, text)]
             if self.mode == "required":
                 return None, [_call(c["name"], _dumps(c["parameters"])) for c in json.loads(text)]
             calls = [json.loads(m[1]) for m in _HERMES.finditer(text)]
@@ -94,8 +94,11 @@ def _dumps(arguments) -> str:
 
 
 def _call(name: str, arguments: str) -> ToolCall:
-    return ToolCall(id=f"chatcmpl-tool-{uuid.uuid4().hex}",
-                    function=ToolCallFunction(name=name, arguments=arguments))
+    return ToolCall(id=new_call_id(), function=ToolCallFunction(name=name, arguments=arguments))
+
+
+def new_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 def plan_tools(req: ChatCompletionRequest, parser: str) -> ToolPlan | None:

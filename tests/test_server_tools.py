@@ -90,10 +90,25 @@ def test_named_function_whole_and_streamed(client, model_dir):
     assert call.function.name == "get_weather"
     assert_valid(call)
     chunks = list(chat(client, tool_choice=named, messages=HISTORY, stream=True))
-    calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
-    assert [(t.index, t.function.name, t.function.arguments) for t in calls] == [
-        (0, "get_weather", call.function.arguments)]
+    pieces = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+    assert len(pieces) > 2  # the arguments stream as they come
+    assert (pieces[0].function.name, pieces[0].type) == ("get_weather", "function")
+    assert pieces[0].id and all(p.id is None and p.function.name is None for p in pieces[1:])
+    assert {p.index for p in pieces} == {0}
+    assert "".join(p.function.arguments for p in pieces) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+
+
+def test_required_streams_its_calls_whole(client):
+    one = dict(tool_choice="required", parallel_tool_calls=False, max_tokens=200)
+    whole = chat(client, **one).choices[0]
+    chunks = list(chat(client, stream=True, **one))
+    [call] = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+    [expected] = whole.message.tool_calls
+    assert (call.index, call.function.name, call.function.arguments) == (
+        0, expected.function.name, expected.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason == "tool_calls"
 
 
 def test_required_gives_calls_of_the_tools(client):
@@ -147,5 +162,6 @@ def test_required_parses_every_call_and_keeps_a_cut_one_as_text():
                                                     ("get_weather", {"city": "Oslo", "unit": "f"})]
     assert plan.parse(text[:30]) == (text[:30], [])
     named = ToolPlan("named", TOOLS, "get_time")
-    assert [c.function.arguments for c in named.parse('{"zone":5}')[1]] == ['{"zone":5}']
-    assert named.parse('{"zone":') == ('{"zone":', [])
+    for text in ('{"zone":5}', '{"zone":'):  # a named call is the text, cut short or not
+        content, [call] = named.parse(text)
+        assert content is None and call.function.arguments == text
