@@ -102,11 +102,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"{name} is out of range: {getattr(self, name)!r}")
-        ids = f"0..{vocab_size - 1}" if vocab_size is not None else ">= 0"
-        vocab_size = vocab_size if vocab_size is not None else math.inf
+        limit = math.inf if vocab_size is None else vocab_size
         bad = next(((t, b) for t, b in self.logit_bias.items()
-                    if not 0 <= t < vocab_size or not -100.0 <= b <= 100.0), None)
+                    if not 0 <= t < limit or not -100.0 <= b <= 100.0), None)
         if bad is not None:
+            ids = ">= 0" if vocab_size is None else f"0..{vocab_size - 1}"
             raise ValueError(f"logit_bias is out of range: {bad[1]!r} for token {bad[0]} "
                              f"(token ids {ids}, biases in [-100, 100])")
         if self.structured_outputs is not None:

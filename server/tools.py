@@ -28,7 +28,6 @@ from heron.server.responses import ToolCall, ToolCallFunction
 
 __all__ = ["ToolPlan", "new_call_id", "plan_tools"]
 
-PARSERS = ("hermes",)
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -120,7 +119,7 @@ def plan_tools(req: ChatCompletionRequest, parser: str) -> ToolPlan | None:
         if function not in names:
             raise bad_request(f"`tool_choice` names the function `{function}`, which is not "
                               "among `tools`", param="tool_choice")
-    if mode == "auto" and parser not in PARSERS:
+    if mode == "auto" and not parser:  # the config admits only known parsers
         raise bad_request('`tool_choice` "auto" needs a tool-call parser: this server has '
                           'none (server.tool_call_parser); use "required", a named function '
                           'or "none"', param="tool_choice")
