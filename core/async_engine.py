@@ -118,6 +118,7 @@ class _Pending:
     tenant: str
     adapter: str | None = None
     encoder_prompt: list[int] | None = None
+    grammar: object = None  # an llguidance.LLMatcher: params.structured_outputs, compiled
 
 
 @dataclass(slots=True)
@@ -255,6 +256,12 @@ class AsyncEngine:
         """Queue a request; returns once the engine accepted it (deltas then go to ``sink``).
         ``adapter``: the name of a loaded LoRA adapter to apply, or None for the base model;
         ``encoder_prompt``: an encoder-decoder model's source (`Engine.add_request`)."""
+        grammar = None
+        if params.structured_outputs is not None:
+            # milliseconds to seconds (a large schema, a new tokenizer): in a thread of its
+            # own, not on the loop between steps
+            grammar = await asyncio.get_running_loop().run_in_executor(
+                None, self.engine.compile_grammar, params)
         if not self.is_running:
             raise EngineStoppedError("the server is shutting down" if self.draining
                                      else "the engine is not running", self.draining)
@@ -272,7 +279,7 @@ class AsyncEngine:
                                  f"{mine}", limit="max_waiting_tokens")
         accepted = asyncio.get_running_loop().create_future()
         self._pending[request_id] = _Pending(request_id, prompt_ids, params, sink, accepted,
-                                             tenant, adapter, encoder_prompt)
+                                             tenant, adapter, encoder_prompt, grammar)
         self._wake.set()
         await accepted
 
@@ -357,7 +364,8 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(p.request_id, p.prompt_ids, p.params, tenant=p.tenant,
-                                        adapter=p.adapter, encoder_prompt=p.encoder_prompt)
+                                        adapter=p.adapter, encoder_prompt=p.encoder_prompt,
+                                        grammar=p.grammar)
             except Exception as e:  # the Engine's ValueError reaches the caller as is
                 p.accepted.set_exception(e)
                 continue

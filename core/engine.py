@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from heron.core.scheduler import Scheduler, SchedulerOutput
 from heron.core.sequence import Sequence, SequenceStatus
 from heron.core.speculative import LookupFirst, Proposer, SpecStats
 from heron.core.state_pool import StatePool, snapshot_bytes
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +244,8 @@ class Engine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, *, tenant: str = "",
                     adapter: str | None = None,
-                    encoder_prompt: str | list[int] | None = None) -> None:
+                    encoder_prompt: str | list[int] | None = None,
+                    grammar: LLMatcher | None = None) -> None:
         """Queue a request. Raises ValueError for a prompt or params the engine cannot serve.
 
         An encoder-decoder model (``runner.is_encoder_decoder``) needs ``encoder_prompt``
@@ -251,6 +256,10 @@ class Engine:
         Requests share prefix-cache blocks only with requests of the same ``tenant`` and
         ``adapter`` (a loaded LoRA adapter's name; None: the base model). With ``n > 1`` the
         first sequence computes the prompt and the others fork from it.
+
+        ``grammar``: ``params.structured_outputs`` compiled by `compile_grammar` (which takes
+        milliseconds, at times more, so callers with a step loop to keep going compile
+        elsewhere); compiled here when None.
         """
         params = params or SamplingParams()
         params.validate(self.runner.info.vocab_size)
@@ -264,7 +273,8 @@ class Engine:
         prompt_ids = self._encode(prompt)
         self._check_fits(prompt_ids, params)
         encoder_ids = self._encoder_prompt(encoder_prompt)
-        grammars = self._grammar_matchers(params)
+        if grammar is None:
+            grammar = self.compile_grammar(params)
         arrival = next(self._arrivals)
         seqs, outputs = [], []
         namespace = Namespace(adapter=adapter_key, tenant=tenant)
@@ -273,8 +283,8 @@ class Engine:
                            namespace, encoder_ids)
             if params.seed is not None:
                 seq.generator = torch.Generator(self.device).manual_seed(params.seed + index)
-            if grammars:
-                seq.grammar = grammars[index]
+            if grammar is not None:
+                seq.grammar = grammar if index == 0 else grammar.deep_copy()
             seqs.append(seq)
             if params.num_beams == 1:  # beam outputs are the search's (`BeamGroup`)
                 outputs.append(SeqOutput(seq, index, self.tokenizer,
@@ -329,17 +339,19 @@ class Engine:
             group.beams = [root] * params.num_beams
         return group
 
-    def _grammar_matchers(self, params: SamplingParams) -> list:
-        """One matcher per sequence of a request with structured outputs (none without)."""
+    def compile_grammar(self, params: SamplingParams) -> LLMatcher | None:
+        """A matcher in the start state of ``params``' structured output (None without one);
+        ValueError for one this model cannot serve. Safe to call from any thread."""
         spec = params.structured_outputs
         if spec is None:
-            return []
+            return None
+        spec.validate()
         if self.grammars is None:
             raise ValueError("structured_outputs needs a tokenizer; this model has none")
         if self.runner.is_encoder_decoder:
             raise ValueError(f"structured_outputs is not available for model "
                              f"{self.runner.info.name!r}: an encoder-decoder")
-        return self.grammars.matchers(spec, params.n)
+        return self.grammars.compile(spec)
 
     def _encoder_prompt(self, prompt: str | list[int] | None) -> tuple[int, ...]:
         runner = self.runner

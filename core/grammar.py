@@ -1,7 +1,7 @@
 """Structured outputs: each request's grammar, as a token mask on its logits.
 
 A request's `StructuredOutput` (a JSON schema, a regex, a list of choices or a Lark grammar)
-compiles to an ``llguidance.LLMatcher`` per sequence (`Grammars.matchers`). Before each
+compiles to an ``llguidance.LLMatcher`` per sequence (`Grammars.compile`). Before each
 sample, the rows of sequences with a matcher get ``-inf`` on every token the grammar does not
 allow next (`apply_grammar_masks`); when a token lands, the sequence's output consumes it
 (`heron.core.request`) and ends once the grammar is complete.
@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
+from collections import OrderedDict
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+import msgspec
 import tokenizers
 import torch
 
@@ -38,16 +41,24 @@ _JSON_OPTIONS = {"whitespace_flexible": False}
 class Grammars:
     """Compiles `StructuredOutput` specs for one tokenizer and logits width.
 
+    Thread-safe: the async engine compiles off the step loop. Compiled grammars are kept
+    (the last ``cache_size`` specs), so a request that repeats one (the same schema, the
+    same tools) only copies its start state.
+
     :param tokenizer: the model's ``tokenizers.Tokenizer``.
     :param vocab_size: the logits' width (may exceed the tokenizer's vocabulary).
     :param eos_token_ids: the ids a complete grammar allows next.
     """
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, vocab_size: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], cache_size: int = 64) -> None:
         self._backend = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
+        self.cache_size = cache_size
+        self._compiled: OrderedDict[bytes, LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        self._ll_tokenizer: LLTokenizer | None = None
 
     @cached_property
     def _llguidance(self):
@@ -56,21 +67,33 @@ class Grammars:
         import llguidance
         return llguidance
 
-    @cached_property
     def _tokenizer(self) -> LLTokenizer:
         # built on first use: ~0.2 s for a 50k vocabulary, paid by guided requests only
-        return self._llguidance.LLTokenizer(self._backend.to_str(), n_vocab=self.vocab_size,
-                                            eos_token=self.eos_token_ids)
+        with self._lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = self._llguidance.LLTokenizer(
+                    self._backend.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+            return self._ll_tokenizer
 
-    def matchers(self, spec: StructuredOutput, count: int) -> list[LLMatcher]:
-        """``count`` matchers in the grammar's start state; ValueError naming what is wrong
-        with ``spec``."""
+    def compile(self, spec: StructuredOutput) -> LLMatcher:
+        """A matcher in the grammar's start state; ValueError naming what is wrong with
+        ``spec``."""
+        key = msgspec.json.encode(spec, order="sorted")
+        with self._lock:
+            start = self._compiled.get(key)
+            if start is not None:
+                self._compiled.move_to_end(key)
+                return start.deep_copy()
         matcher_cls = self._llguidance.LLMatcher
-        matcher = matcher_cls(self._tokenizer, _grammar(matcher_cls, spec), log_level=0)
-        if matcher.is_error():
+        start = matcher_cls(self._tokenizer(), _grammar(matcher_cls, spec), log_level=0)
+        if start.is_error():
             raise ValueError(f"the structured output's {_KINDS[spec.kind]} is not valid: "
-                             f"{matcher.get_error()}")
-        return [matcher] + [matcher.deep_copy() for _ in range(count - 1)]
+                             f"{start.get_error()}")
+        with self._lock:
+            self._compiled[key] = start
+            if len(self._compiled) > self.cache_size:
+                self._compiled.popitem(last=False)
+        return start.deep_copy()
 
 
 _KINDS = {"json": "JSON schema", "regex": "regex", "choice": "choice list",

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
+import time
 
 import pytest
 
 from heron.core.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
-from heron.core.sampling_params import SamplingParams
+from heron.core.sampling_params import SamplingParams, StructuredOutput
 from tests.engine_utils import make_engine
 from tests.tiny_models import build_tiny
 
@@ -83,6 +85,49 @@ def test_abort_takes_effect_before_the_next_step(engine):
     assert first.seqs[0].token_ids and rest[-1].seqs[0].finish_reason == "abort"
     assert len(steps) <= 1  # at most the step already in flight when abort was called
     assert sum(len(s.token_ids) for d in rest for s in d.seqs) <= 1
+
+
+def test_grammars_compile_off_the_loop_while_steps_go_on(engine):
+    """A slow compile (stood in for by a sleep around the real one) runs in a thread of its
+    own: the running request keeps getting tokens meanwhile, and the guided one still
+    matches its regex, as offline."""
+    guided = SamplingParams(max_tokens=40, temperature=0.0,
+                            structured_outputs=StructuredOutput(regex=r"[a-z]{2,5}-[0-9]{1,3}"))
+    expected = engine.generate(["The quick"], guided)[0].outputs[0]
+    compiles = []
+    real_compile = engine.compile_grammar
+
+    def slow_compile(params):
+        if params.structured_outputs is None:
+            return real_compile(params)
+        start = time.monotonic()
+        time.sleep(0.5)
+        compiles.append((threading.current_thread(), start, time.monotonic()))
+        return real_compile(params)
+
+    async def body(driver):
+        running, queue = asyncio.Queue(), asyncio.Queue()
+        await driver.add("a", [5, 6, 7], LONG, running.put_nowait)
+        await running.get()
+        await driver.add("g", engine.tokenizer.encode("The quick"), guided, queue.put_nowait)
+        arrivals = []
+        while not running.empty():
+            arrivals.append(running.get_nowait().time_s)
+        driver.abort("a")
+        return arrivals, await collect(queue)
+
+    engine.compile_grammar = slow_compile
+    try:
+        arrivals, deltas = run(engine, body)
+    finally:
+        del engine.compile_grammar
+    [(thread, start, end)] = compiles
+    assert thread is not threading.main_thread()
+    assert sum(start < t < end for t in arrivals) >= 3  # steps went on during the compile
+    seqs = [s for d in deltas for s in d.seqs]
+    text = "".join(s.text for s in seqs)
+    assert text == expected.text and re.fullmatch(r"[a-z]{2,5}-[0-9]{1,3}", text)
+    assert seqs[-1].finish_reason == "stop"
 
 
 def test_waiting_limit_and_engine_refusals(engine):

@@ -184,3 +184,28 @@ def test_invalid_specs_and_beams_are_refused(tiny):
     assert engine.num_requests == 0
     assert engine.generate(["Hi"], guided("choice"))[0].outputs[0].text in CHOICES
     assert_no_leaks(engine)
+
+
+def test_compiled_grammars_are_kept_and_handed_out_as_copies(tiny):
+    """A repeated spec reuses its compiled grammar: each sequence gets its own copy in the
+    start state, and only the last ``cache_size`` specs are kept."""
+    path, _ = tiny
+    engine = make_engine(path)
+    grammars = engine.grammars
+    grammars.cache_size = 2
+    first = grammars.compile(StructuredOutput(choice=["yes", "no"]))
+    second = grammars.compile(StructuredOutput(choice=["yes", "no"]))
+    assert second is not first and len(grammars._compiled) == 1
+    for token in engine.tokenizer.encode("yes", add_special_tokens=False):
+        assert first.consume_token(token)
+    assert first.is_stopped() and not second.is_stopped()
+    assert grammars.compile(StructuredOutput(choice=["yes", "no"])).is_stopped() is False
+    for spec in [SPECS["regex"], SPECS["lark"], StructuredOutput(regex="(")]:
+        try:
+            grammars.compile(spec)
+        except ValueError:
+            pass
+    assert len(grammars._compiled) == 2  # the valid two; the choice list was dropped
+    outputs = engine.generate(["Hi", "Paged"], guided("choice", n=2, temperature=1.0, seed=1))
+    assert all(o.text in CHOICES for out in outputs for o in out.outputs)
+    assert_no_leaks(engine)
