@@ -133,6 +133,7 @@ class ServerConfig(_Section):
     request_timeout_s: float | None = None
     drain_timeout_s: float = 30.0
     tool_call_parser: str = ""
+    reasoning_parser: str = ""
 
     @property
     def key_tenants(self) -> list[tuple[str, str]]:
@@ -172,6 +173,8 @@ class ServerConfig(_Section):
             ("drain_timeout_s", self.drain_timeout_s >= 0, "must be >= 0"),
             ("tool_call_parser", self.tool_call_parser in ("", "hermes"),
              'must be "" or "hermes"'),
+            ("reasoning_parser", self.reasoning_parser in ("", "deepseek_r1", "qwen3"),
+             'must be "", "deepseek_r1" or "qwen3"'),
         )
 
 

@@ -78,7 +78,7 @@ class Grammars:
     def compile(self, spec: StructuredOutput) -> LLMatcher:
         """A matcher in the grammar's start state; ValueError naming what is wrong with
         ``spec``."""
-        key = msgspec.json.encode(spec, order="sorted")
+        key = msgspec.json.encode(msgspec.structs.replace(spec, reasoning=None), order="sorted")
         with self._lock:
             start = self._compiled.get(key)
             if start is not None:
@@ -112,8 +112,8 @@ def _grammar(matcher_cls: type[LLMatcher], spec: StructuredOutput) -> str:
 
 def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """Set to ``-inf`` (in place) every logit that a row's grammar does not allow next;
-    rows of sequences without one are left alone."""
-    rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+    rows of sequences without one, or in their thinking, are left alone."""
+    rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None and not seq.thinking]
     if not rows:
         return
     vocab_size = logits.shape[1]
@@ -126,6 +126,10 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab_size]
     banned = allowed == 0
+    for k, i in enumerate(rows):  # a reasoning model's first token may open its thinking
+        gate = seqs[i].params.structured_outputs.reasoning
+        if gate is not None and seqs[i].num_output_tokens == 0:
+            banned[k, gate.start_token_id] = False
     if len(rows) == len(seqs):
         logits.masked_fill_(banned, float("-inf"))
         return

@@ -52,10 +52,16 @@ class SeqOutput:
         if matched is not None:
             return self.finish("stop", matched, flush=False)
         if seq.grammar is not None:
-            if not seq.grammar.consume_token(token_id):  # the mask allowed it: a bug if so
+            gate = params.structured_outputs.reasoning
+            if seq.thinking:
+                seq.thinking = token_id != gate.end_token_id
+            elif (gate is not None and seq.num_output_tokens == 1
+                  and token_id == gate.start_token_id):
+                seq.thinking = True
+            elif not seq.grammar.consume_token(token_id):  # the mask allowed it: a bug if so
                 return self.finish("error", error="the output left its structured-output "
                                    f"grammar: {seq.grammar.get_error()}")
-            if seq.grammar.is_stopped():  # complete: nothing but EOS may follow
+            elif seq.grammar.is_stopped():  # complete: nothing but EOS may follow
                 return self.finish("stop")
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             return self.finish("length")

@@ -7,28 +7,47 @@ import math
 import msgspec
 
 
+class ReasoningGate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A reasoning model's thinking, which a grammar leaves free: the grammar holds from the
+    token after the output's first ``end_token_id``. ``open``: the output starts inside the
+    thinking (its prompt opened it); otherwise the output may open it with
+    ``start_token_id`` as its first token, and is held to the grammar from the start if it
+    does not."""
+
+    start_token_id: int
+    end_token_id: int
+    open: bool = False
+
+
 class StructuredOutput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What the output must match (vLLM's ``structured_outputs``), exactly one of: ``json``,
     a JSON schema (``{"type": "object"}``: any JSON object); ``regex``; ``choice``, one of
-    these strings; ``grammar``, a Lark grammar. The output ends once it is complete."""
+    these strings; ``grammar``, a Lark grammar. The output ends once it is complete.
+    ``reasoning``: the model's thinking comes first, free of the grammar."""
 
     json: dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    reasoning: ReasoningGate | None = None
 
     @property
     def kind(self) -> str:
         """The one field set (`validate` checks there is one)."""
         return next(name for name in _STRUCTURED_KINDS if getattr(self, name) is not None)
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int | None = None) -> None:
         given = [name for name in _STRUCTURED_KINDS if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError("structured_outputs must set exactly one of json, regex, choice "
                              f"and grammar; got {given or 'none'}")
         if self.choice is not None and not self.choice:
             raise ValueError("structured_outputs: choice must list at least one string")
+        gate, limit = self.reasoning, math.inf if vocab_size is None else vocab_size
+        if gate is not None and not (0 <= gate.start_token_id < limit
+                                     and 0 <= gate.end_token_id < limit):
+            raise ValueError(f"structured_outputs: the reasoning tokens {gate.start_token_id} "
+                             f"and {gate.end_token_id} must be in the vocabulary")
 
 
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
@@ -110,7 +129,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"logit_bias is out of range: {bad[1]!r} for token {bad[0]} "
                              f"(token ids {ids}, biases in [-100, 100])")
         if self.structured_outputs is not None:
-            self.structured_outputs.validate()
+            self.structured_outputs.validate(vocab_size)
         if self.num_beams < 1:
             raise ValueError(f"num_beams is out of range: {self.num_beams!r}")
         if self.early_stopping not in (True, False, "never"):

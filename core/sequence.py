@@ -32,7 +32,9 @@ class Sequence:
     (the scheduler spreads a long source's over steps; recompute resets it to zero).
     ``draft_token_ids`` are tokens a proposer drafted to follow ``token_ids`` this step
     (`heron.core.speculative`): scheduled after them, never part of them.
-    ``grammar`` is the matcher of its structured output (`heron.core.grammar`), if any.
+    ``grammar`` is the matcher of its structured output (`heron.core.grammar`), if any;
+    ``thinking`` is True while the output is in a reasoning model's thinking, which the
+    grammar leaves free (`heron.core.sampling_params.ReasoningGate`).
     ``family_state`` is whatever the model family's ``alloc_sequence`` returned; the engine
     never looks inside it.
     """
@@ -42,6 +44,7 @@ class Sequence:
         "block_table", "status", "params", "arrival", "family_state", "generator",
         "namespace", "num_cached_tokens", "host_block_table", "state_slot", "lora_slot",
         "encoder_token_ids", "encoder_stages_done", "draft_token_ids", "grammar",
+        "thinking",
     )
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
@@ -68,6 +71,7 @@ class Sequence:
         self.encoder_stages_done = 0
         self.draft_token_ids: list[int] = []  # this step's speculative drafts, to verify
         self.grammar: Any = None  # an llguidance.LLMatcher: what the output may be next
+        self.thinking = False
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -125,8 +125,9 @@ def chat_prompt(app: web.Application, messages: list[ChatMessage], *,
 
 def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
     """A message as chat templates take it: "developer" as "system" (templates predate
-    it), text parts as text, and an earlier call's arguments as an object, as transformers'
-    templates expect (vLLM does the same)."""
+    it), text parts as text, an earlier call's arguments as an object, as transformers'
+    templates expect (vLLM does the same), and an earlier answer's thinking as
+    ``reasoning_content`` (Qwen3's and DeepSeek's templates)."""
     if m.content is None and m.role in _CONTENT_REQUIRED:
         raise bad_request(f"`messages[{i}].content` is required in a {m.role} message",
                           param=f"messages[{i}].content")
@@ -138,6 +139,8 @@ def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
         out["name"] = m.name
     if m.tool_call_id:
         out["tool_call_id"] = m.tool_call_id
+    if reasoning := m.reasoning or m.reasoning_content:  # the name templates read
+        out["reasoning_content"] = reasoning
     if m.tool_calls:
         out["tool_calls"] = [{**({"id": c.id} if c.id else {}), "type": "function",
                               "function": {"name": c.function.name,

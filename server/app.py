@@ -12,11 +12,12 @@ from heron.core.async_engine import AsyncEngine
 from heron.core.config import Config
 from heron.core.engine import Engine
 from heron.server.appkeys import (ADAPTER_LOCK, ASYNC_ENGINE, CONFIG, CREATED_AT, METRICS,
-                                  MODEL_NAME, TOKEN_TEXTS)
+                                  MODEL_NAME, REASONING, TOKEN_TEXTS)
 from heron.server.errors import error_middleware
 from heron.server.logprob_format import TokenTexts
 from heron.server.metrics import Metrics
 from heron.server.middleware import auth_middleware, echo_request_id, request_id_middleware
+from heron.server.reasoning import reasoning_parser
 from heron.server.routes import setup_routes
 from heron.server.translation_jobs import check_language_defaults
 
@@ -57,6 +58,7 @@ def _engine_context(given: Engine | None):
             # loading takes seconds to minutes; keep the loop free for signals meanwhile
             engine = await asyncio.get_running_loop().run_in_executor(None, Engine, config)
         check_language_defaults(config.model, engine.runner)
+        app[REASONING] = reasoning_parser(config.server.reasoning_parser, engine.tokenizer)
         async_engine = AsyncEngine(engine,
                                    max_waiting_requests=config.server.max_waiting_requests,
                                    max_waiting_tokens=config.server.max_waiting_tokens)

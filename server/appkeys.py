@@ -10,6 +10,7 @@ from heron.core.async_engine import AsyncEngine
 from heron.core.config import Config
 from heron.server.logprob_format import TokenTexts
 from heron.server.metrics import Metrics
+from heron.server.reasoning import ReasoningParser
 
 CONFIG = web.AppKey("config", Config)
 ASYNC_ENGINE = web.AppKey("async_engine", AsyncEngine)
@@ -18,6 +19,7 @@ MODEL_NAME = web.AppKey("model_name", str)
 TOKEN_TEXTS = web.AppKey("token_texts", TokenTexts)
 CREATED_AT = web.AppKey("created_at", int)  # unix time the model was loaded
 ADAPTER_LOCK = web.AppKey("adapter_lock", asyncio.Lock)  # one adapter load/unload at a time
+REASONING = web.AppKey("reasoning", ReasoningParser)  # None without server.reasoning_parser
 
 __all__ = ["ADAPTER_LOCK", "ASYNC_ENGINE", "CONFIG", "CREATED_AT", "METRICS", "MODEL_NAME",
-           "TOKEN_TEXTS"]
+           "REASONING", "TOKEN_TEXTS"]

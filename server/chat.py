@@ -3,7 +3,7 @@
 Streaming follows OpenAI: each choice's first chunk carries ``role: "assistant"``, later
 ones the new ``content``, the last one its ``finish_reason``; with
 ``stream_options.include_usage`` a final chunk with no choices carries the usage. Tool
-calls: `heron.server.tools`.
+calls: `heron.server.tools`; a reasoning model's thinking: `heron.server.reasoning`.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from msgspec import UNSET
 
 from heron.server.admission import (chat_prompt, check_fits, check_request,
                                     returns_token_ids, sampling_params)
-from heron.server.appkeys import CONFIG, TOKEN_TEXTS
+from heron.server.appkeys import CONFIG, REASONING, TOKEN_TEXTS
 from heron.server.errors import bad_request, decode_body
 from heron.server.generation import Generation
 from heron.server.logprob_format import chat_logprobs, token_id_text
 from heron.server.protocol import ChatCompletionRequest
+from heron.server.reasoning import ReasoningSplit
 from heron.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionResponse, ChatDelta, ChatLogprobs,
                                     ChatMessageOut, FunctionDelta, ToolCallDelta,
@@ -44,10 +45,14 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     params = sampling_params(app, req, max_tokens=max_tokens,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                              structured=tools.structured if tools else None)
+    reasoning = app[REASONING]
+    thinking = reasoning.thinking(prompt_ids) if reasoning is not None else None
+    if thinking is not None and params.structured_outputs is not None:
+        params.structured_outputs.reasoning = reasoning.gate(thinking)  # the answer's only
     async with Generation(request, "chatcmpl", [prompt_ids], params, req.cache_salt,
                           adapter=adapter) as gen:
         if req.stream:
-            return await _stream(request, req, gen, tools)
+            return await _stream(request, req, gen, tools, thinking)
         await gen.run_to_end()
         if (error := gen.failure()) is not None:
             raise error
@@ -56,9 +61,14 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         ids = returns_token_ids(app, req)
         choices = []
         for c in sorted(gen.choices.values(), key=lambda c: c.index):
-            content, calls = tools.parse(c.text) if tools else (c.text, [])
+            thought, text = (ReasoningSplit(thinking).feed(c.text, final=True)
+                             if thinking is not None else ("", c.text))
+            content, calls = tools.parse(text) if tools else (text, [])
+            message = ChatMessageOut(content=content, tool_calls=calls)
+            if reasoning is not None:  # as vLLM: no empty strings beside the thinking
+                message.reasoning, message.content = thought or None, content or None
             choices.append(ChatChoice(
-                index=c.index, message=ChatMessageOut(content=content, tool_calls=calls),
+                index=c.index, message=message,
                 logprobs=ChatLogprobs(content=chat_logprobs(c.logprobs, text_of, bytes_of))
                 if req.logprobs else None,
                 finish_reason=_finish_reason(c.finish_reason, bool(calls)),
@@ -77,10 +87,11 @@ def _finish_reason(reason: str | None, called: bool) -> str | None:
 
 
 async def _stream(request: web.Request, req: ChatCompletionRequest, gen: Generation,
-                  tools: ToolPlan | None) -> web.StreamResponse:
-    """Content streams as it comes, and so do a named call's arguments; with "required" or
-    "auto" tools, each choice's message comes whole in its last chunk, when its calls can
-    be parsed."""
+                  tools: ToolPlan | None, thinking: bool | None) -> web.StreamResponse:
+    """Content streams as it comes, and so do a named call's arguments and the thinking
+    (``thinking``: as `ReasoningParser.thinking` said; None: no thinking to split off);
+    with "required" or "auto" tools, each choice's message comes whole in its last chunk,
+    when its calls can be parsed."""
     events = EventStream(request)
     text_of = token_id_text if req.return_tokens_as_token_ids else request.app[TOKEN_TEXTS]
     bytes_of = request.app[TOKEN_TEXTS].bytes_of
@@ -93,6 +104,7 @@ async def _stream(request: web.Request, req: ChatCompletionRequest, gen: Generat
     mode = tools.mode if tools is not None else "none"
     held: dict[int, str] = {}  # "required" / "auto": choice index -> text so far
     call_ids: dict[int, str] = {}  # "named": choice index -> its call's id
+    splits: dict[int, ReasoningSplit] = {}  # choice index -> its thinking and its answer
 
     async def produce() -> ChatCompletionChunk | None:
         first = chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant",
@@ -110,16 +122,22 @@ async def _stream(request: web.Request, req: ChatCompletionRequest, gen: Generat
                                                                bytes_of))
                             if req.logprobs and sd.token_ids else None)
                 index = gen.choices[(p, sd.index)].index
-                new, finish = ChatDelta(content=sd.text) if sd.text else ChatDelta(), None
+                thought, text = "", sd.text
+                if thinking is not None:
+                    thought, text = splits.setdefault(index, ReasoningSplit(thinking)).feed(
+                        sd.text, final=sd.finish_reason is not None)
+                new, finish = ChatDelta(content=text) if text else ChatDelta(), None
                 if mode == "named":
-                    new, finish = _named_piece(tools, call_ids, index, sd)
+                    new, finish = _named_piece(tools, call_ids, index, text, sd.finish_reason)
                 elif mode != "none":
-                    held[index] = held.get(index, "") + sd.text
+                    held[index] = held.get(index, "") + text
                     new = ChatDelta()
                     if sd.finish_reason:
                         new, finish = _whole(tools, held.pop(index), sd.finish_reason)
-                if new.content or new.tool_calls or logprobs or sd.finish_reason or (
-                        token_ids and sd.token_ids):
+                if thought:
+                    new.reasoning = thought
+                if new.content or new.reasoning or new.tool_calls or logprobs or (
+                        sd.finish_reason or (token_ids and sd.token_ids)):
                     choices.append(ChatChunkChoice(
                         index=index, delta=new, logprobs=logprobs,
                         finish_reason=finish or api_finish_reason(sd.finish_reason),
@@ -136,18 +154,19 @@ async def _stream(request: web.Request, req: ChatCompletionRequest, gen: Generat
     return await events.run(produce)
 
 
-def _named_piece(tools: ToolPlan, call_ids: dict[int, str], index: int,
-                 sd) -> tuple[ChatDelta, str | None]:
-    """The next piece of a named call's arguments; its first names the call."""
+def _named_piece(tools: ToolPlan, call_ids: dict[int, str], index: int, text: str,
+                 reason: str | None) -> tuple[ChatDelta, str | None]:
+    """The next piece of a named call's arguments; its first (with text, or the output's
+    end) names the call."""
     first = index not in call_ids
-    if not sd.text and not first:
-        return ChatDelta(), _finish_reason(sd.finish_reason, True)
+    if not text and (not first or reason is None):
+        return ChatDelta(), _finish_reason(reason, True)
     call_id = call_ids.setdefault(index, new_call_id())
-    function = FunctionDelta(arguments=sd.text)
+    function = FunctionDelta(arguments=text)
     piece = ToolCallDelta(index=0, function=function)
     if first:
         function.name, piece.id, piece.type = tools.function, call_id, "function"
-    return ChatDelta(tool_calls=[piece]), _finish_reason(sd.finish_reason, True)
+    return ChatDelta(tool_calls=[piece]), _finish_reason(reason, True)
 
 
 def _whole(tools: ToolPlan, text: str, reason: str) -> tuple[ChatDelta, str | None]:

@@ -213,6 +213,9 @@ class ChatMessage(_Body, kw_only=True):
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     function_call: Any = None
+    # an earlier answer's thinking, as a reasoning parser returned it (vLLM's name; DeepSeek's)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 def unsupported_part(messages: list[ChatMessage]) -> str | None:

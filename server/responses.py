@@ -103,8 +103,11 @@ class ToolCallDelta(_Out, kw_only=True, omit_defaults=True):
 
 
 class ChatMessageOut(_Out, kw_only=True):
+    """``reasoning``: the thinking, with a reasoning parser (`heron.server.reasoning`)."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning: str | None | UnsetType = UNSET
     tool_calls: list[ToolCall] = []
 
 
@@ -133,6 +136,7 @@ class ChatCompletionResponse(_Out, kw_only=True):
 class ChatDelta(_Out, kw_only=True, omit_defaults=True):
     role: Literal["assistant"] | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    reasoning: str | UnsetType = UNSET
     tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 

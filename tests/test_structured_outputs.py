@@ -8,11 +8,12 @@ import json
 import re
 
 import jsonschema
+import msgspec
 import pytest
 import torch
 from llguidance import LLMatcher, LLTokenizer
 
-from heron.core.sampling_params import SamplingParams, StructuredOutput
+from heron.core.sampling_params import ReasoningGate, SamplingParams, StructuredOutput
 from tests.engine_utils import assert_no_leaks, make_engine, run_to_end
 from tests.test_speculative import NGRAM, OracleProposer
 from tests.tiny_models import build_tiny
@@ -76,7 +77,9 @@ def guided(kind: str, **kw) -> SamplingParams:
 
 def hf_guided_greedy(model, path, prompt_ids: list[int], spec: StructuredOutput) -> list[int]:
     """transformers' forward with its KV cache; each step's logits masked by llguidance's
-    byte mask, argmax, until the grammar is complete."""
+    byte mask, argmax, until the grammar is complete (or EOS in a free thinking). With
+    ``spec.reasoning``, the mask waits for the thinking's end, and the first token may
+    also be the thinking's start."""
     vocab = model.config.vocab_size
     tokenizer = LLTokenizer((path / "tokenizer.json").read_text(), n_vocab=vocab, eos_token=[2])
     if spec.json is not None:
@@ -87,14 +90,28 @@ def hf_guided_greedy(model, path, prompt_ids: list[int], spec: StructuredOutput)
     else:
         grammar = LLMatcher.grammar_from_lark(spec.grammar)
     matcher = LLMatcher(tokenizer, grammar, log_level=0)
+    gate = spec.reasoning
+    thinking = gate is not None and gate.open
     tokens = []
     with torch.no_grad():
         out = model(torch.tensor([prompt_ids]), use_cache=True)
         while not matcher.is_stopped() and len(tokens) < MAX_TOKENS:
-            allowed = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8)
-            logits = out.logits[0, -1].float().masked_fill(allowed[:vocab] == 0, float("-inf"))
+            logits = out.logits[0, -1].float()
+            if not thinking:
+                allowed = torch.frombuffer(bytearray(matcher.compute_logit_bias()),
+                                           dtype=torch.uint8)[:vocab].clone()
+                if gate is not None and not tokens:
+                    allowed[gate.start_token_id] = 1
+                logits = logits.masked_fill(allowed == 0, float("-inf"))
             tokens.append(int(logits.argmax()))
-            assert matcher.consume_token(tokens[-1])
+            if thinking:
+                if tokens[-1] == 2:
+                    break
+                thinking = tokens[-1] != gate.end_token_id
+            elif gate is not None and len(tokens) == 1 and tokens[0] == gate.start_token_id:
+                thinking = True
+            else:
+                assert matcher.consume_token(tokens[-1])
             out = model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values,
                         use_cache=True)
     return tokens
@@ -208,4 +225,33 @@ def test_compiled_grammars_are_kept_and_handed_out_as_copies(tiny):
     assert len(grammars._compiled) == 2  # the valid two; the choice list was dropped
     outputs = engine.generate(["Hi", "Paged"], guided("choice", n=2, temperature=1.0, seed=1))
     assert all(o.text in CHOICES for out in outputs for o in out.outputs)
+    assert_no_leaks(engine)
+
+
+def test_thinking_is_free_and_the_answer_is_held_to_the_grammar(tiny):
+    """A reasoning gate: tokens up to the end of the thinking are the model's own (the
+    unguided greedy run's), the rest are the grammar's; an output whose first token does
+    not open the thinking is held to the grammar from the start."""
+    path, model = tiny
+    engine = make_engine(path)
+    prompt = engine.tokenizer.encode(PROMPTS[1])
+    free = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0,
+                                                    ignore_eos=True))[0].outputs[0].token_ids
+    end = next(t for i, t in enumerate(free) if i >= 3 and t not in free[:i])
+    thought = free[:free.index(end) + 1]
+    plain = engine.generate([prompt], guided("json"))[0].outputs[0].token_ids
+    with torch.no_grad():  # a start the model would not pick first
+        unlikely = int(model(torch.tensor([prompt])).logits[0, -1].argmin())
+    cases = [(ReasoningGate(start_token_id=unlikely, end_token_id=end, open=True), thought),
+             (ReasoningGate(start_token_id=free[0], end_token_id=end), thought),
+             (ReasoningGate(start_token_id=unlikely, end_token_id=end), [])]
+    specs = [msgspec.structs.replace(SPECS["json"], reasoning=gate) for gate, _ in cases]
+    outs = engine.generate([prompt] * 3, [guided("json", structured_outputs=s) for s in specs])
+    for (gate, thinking), spec, out in zip(cases, specs, outs):
+        tokens = out.outputs[0].token_ids
+        assert tokens == hf_guided_greedy(model, path, prompt, spec)
+        assert tokens[:len(thinking)] == thinking
+        check("json", engine.tokenizer.decode(tokens[len(thinking):]))
+        assert out.outputs[0].finish_reason == "stop"
+    assert outs[2].outputs[0].token_ids == plain
     assert_no_leaks(engine)

@@ -1,0 +1,124 @@
+"""A reasoning model's thinking, apart from its answer (``server.reasoning_parser``).
+
+Models such as DeepSeek-R1 and Qwen3 think between ``<think>`` and ``</think>`` before they
+answer. With a parser, a chat answer's thinking comes back as the message's ``reasoning``
+(vLLM's field; ``delta.reasoning`` in a stream) and the rest as its ``content``, where tool
+calls are looked for; a structured output or a tool call's grammar holds only the answer
+(`heron.core.sampling_params.ReasoningGate`).
+
+Where an output starts is read off the end of its prompt, which the chat template wrote:
+
+* the prompt ends with ``<think>`` (whitespace aside): the output starts in its thinking, as
+  DeepSeek-R1's and Qwen3-Thinking's templates have it;
+* it ends with ``</think>``: thinking is off (Qwen3's ``enable_thinking: false``); the
+  output is all answer;
+* otherwise, with ``"deepseek_r1"`` the output starts in its thinking (R1's first templates
+  left ``<think>`` to the model); with ``"qwen3"`` it thinks only if it opens with
+  ``<think>``.
+
+An output that thinks and never writes ``</think>`` is all reasoning. The text is split
+where ``</think>`` appears in it; the grammar starts after the ``</think>`` token.
+"""
+
+from __future__ import annotations
+
+from heron.core.config import ConfigError
+from heron.core.sampling_params import ReasoningGate
+from heron.core.tokenizer import Tokenizer
+
+__all__ = ["PARSERS", "ReasoningParser", "ReasoningSplit", "reasoning_parser"]
+
+START, END = "<think>", "</think>"
+#: parser name -> whether an output starts in its thinking when its prompt does not say
+PARSERS = {"deepseek_r1": True, "qwen3": False}
+_TAIL = 4  # whitespace tokens a prompt may end with after its marker
+
+
+def reasoning_parser(name: str, tokenizer: Tokenizer | None) -> ReasoningParser | None:
+    """The parser ``server.reasoning_parser`` names ("": none); ConfigError when the model
+    cannot have it."""
+    if not name:
+        return None
+    if tokenizer is None:
+        raise ConfigError(f"server.reasoning_parser {name!r} needs a model with a tokenizer")
+    return ReasoningParser(name, tokenizer)
+
+
+class ReasoningParser:
+    """The markers of one tokenizer; ConfigError when it lacks them or drops them from text
+    (special tokens), since the text is split where they are."""
+
+    def __init__(self, name: str, tokenizer: Tokenizer) -> None:
+        ids = {marker: tokenizer.token_to_id(marker) for marker in (START, END)}
+        lacking = [marker for marker, i in ids.items()
+                   if i is None or tokenizer.decode([i]) != marker]
+        if lacking:
+            raise ConfigError(f"server.reasoning_parser {name!r} needs {START} and {END} as "
+                             "tokens that decode to their text; this model's tokenizer "
+                             f"{'lacks' if None in ids.values() else 'drops'} "
+                             f"{' and '.join(lacking)}")
+        self.name = name
+        self._tokenizer = tokenizer
+        self.start_token_id, self.end_token_id = ids[START], ids[END]
+
+    def thinking(self, prompt_ids: list[int]) -> bool | None:
+        """Whether the outputs of this prompt start in their thinking: True; False, they
+        may open it with their first token; None, the prompt turned thinking off."""
+        for token in reversed(prompt_ids[-_TAIL - 1:]):
+            if token == self.start_token_id:
+                return True
+            if token == self.end_token_id:
+                return None
+            if self._tokenizer.decode([token], skip_special_tokens=False).strip():
+                break
+        return PARSERS[self.name]
+
+    def gate(self, opened: bool) -> ReasoningGate:
+        """What a grammar leaves free of an output that starts as ``thinking`` said."""
+        return ReasoningGate(start_token_id=self.start_token_id,
+                             end_token_id=self.end_token_id, open=opened)
+
+
+class ReasoningSplit:
+    """One output's text, split as it streams: `feed` takes each new piece and returns
+    what of it (and of what it held back) is reasoning and what is content. Text that may
+    be the start of a marker is held until the next piece shows whether it is.
+
+    ``opened``: the output starts in its thinking (`ReasoningParser.thinking`). A leading
+    ``<think>`` (whitespace aside) opens it, or repeats the prompt's; it is not reasoning.
+    """
+
+    def __init__(self, opened: bool) -> None:
+        self._thinking = opened
+        self._head = True  # nothing but whitespace yet: a <think> may still come
+        self._held = ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """(reasoning, content) of ``text``; ``final``: the output ended, hold nothing."""
+        text, self._held = self._held + text, ""
+        if self._head:
+            stripped = text.lstrip()
+            if stripped.startswith(START):
+                text, self._thinking, self._head = stripped[len(START):], True, False
+            elif START.startswith(stripped) and not final:
+                self._held = text
+                return "", ""
+            else:
+                self._head = False
+        if not self._thinking:
+            return "", text
+        end = text.find(END)
+        if end >= 0:
+            self._thinking = False
+            return text[:end], text[end + len(END):]
+        keep = 0 if final else _marker_prefix(text, END)
+        self._held = text[len(text) - keep:]
+        return text[:len(text) - keep], ""
+
+
+def _marker_prefix(text: str, marker: str) -> int:
+    """The length of the longest proper prefix of ``marker`` that ``text`` ends with."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
