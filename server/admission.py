@@ -241,6 +241,15 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     return by_id
 
 
+def constrained_by(req: SamplingFields) -> str | None:
+    """The field that holds ``req``'s output to a grammar, if one does."""
+    if req.structured_outputs is not None:
+        return "structured_outputs"
+    if req.response_format is not None and req.response_format.type != "text":
+        return "response_format"
+    return None
+
+
 def _structured(req: SamplingFields) -> StructuredOutput | None:
     """The request's `StructuredOutput`, from vLLM's ``structured_outputs`` or OpenAI's
     ``response_format`` (not both)."""

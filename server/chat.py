@@ -11,7 +11,7 @@ from __future__ import annotations
 from aiohttp import web
 from msgspec import UNSET
 
-from heron.server.admission import (chat_prompt, check_fits, check_request,
+from heron.server.admission import (chat_prompt, check_fits, check_request, constrained_by,
                                     returns_token_ids, sampling_params)
 from heron.server.appkeys import CONFIG, REASONING, TOKEN_TEXTS
 from heron.server.errors import bad_request, decode_body
@@ -35,7 +35,12 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     refuse_translation_model(app, "/v1/chat/completions")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
-    tools = plan_tools(req, app[CONFIG].server.tool_call_parser)
+    choice = req.tool_choice
+    tools = plan_tools([t.function for t in req.tools or ()],
+                       choice if isinstance(choice, str) else None,
+                       choice.function.name if choice is not None and not isinstance(choice, str)
+                       else None, req.parallel_tool_calls, app[CONFIG].server.tool_call_parser,
+                       constrained_by(req))
     prompt_ids = chat_prompt(app, req.messages, add_generation_prompt=req.add_generation_prompt,
                              template_kwargs=req.chat_template_kwargs,
                              tools=tools.template_tools if tools else None)

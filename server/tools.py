@@ -23,7 +23,6 @@ import uuid
 
 from heron.core.sampling_params import StructuredOutput
 from heron.server.errors import bad_request
-from heron.server.protocol import ChatCompletionRequest
 from heron.server.responses import ToolCall, ToolCallFunction
 
 __all__ = ["ToolPlan", "new_call_id", "plan_tools"]
@@ -100,31 +99,33 @@ def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def plan_tools(req: ChatCompletionRequest, parser: str) -> ToolPlan | None:
-    """The request's `ToolPlan`, or None without tools; 400s name what is wrong."""
-    choice = req.tool_choice
-    if not req.tools:
-        if choice not in (None, "none", "auto"):
+def plan_tools(functions: list | None, choice: str | None, named: str | None,
+               parallel: bool | None, parser: str, constrained_by: str | None) -> ToolPlan | None:
+    """The `ToolPlan` of a request's ``functions`` (each with ``name``, ``description`` and
+    ``parameters``), or None without any; 400s name what is wrong.
+
+    ``choice``: "none", "auto", "required" or None (unset); ``named``: the function a
+    request names instead; ``parallel``: False for one call at most; ``constrained_by``:
+    the field that already holds the output to a grammar, if one does."""
+    if not functions:
+        if named is not None or choice not in (None, "none", "auto"):
             raise bad_request("`tool_choice` needs `tools`", param="tool_choice")
         return None
     tools = [{"type": "function", "function": {k: v for k, v in (
-        ("name", t.function.name), ("description", t.function.description),
-        ("parameters", t.function.parameters)) if v is not None}} for t in req.tools]
+        ("name", f.name), ("description", f.description),
+        ("parameters", f.parameters)) if v is not None}} for f in functions]
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise bad_request("`tools` names a function twice", param="tools")
-    mode, function = choice or "auto", ""
-    if not isinstance(mode, str):
-        mode, function = "named", choice.function.name
-        if function not in names:
-            raise bad_request(f"`tool_choice` names the function `{function}`, which is not "
-                              "among `tools`", param="tool_choice")
+    mode = "named" if named is not None else choice or "auto"
+    if named is not None and named not in names:
+        raise bad_request(f"`tool_choice` names the function `{named}`, which is not "
+                          "among `tools`", param="tool_choice")
     if mode == "auto" and not parser:  # the config admits only known parsers
         raise bad_request('`tool_choice` "auto" needs a tool-call parser: this server has '
                           'none (server.tool_call_parser); use "required", a named function '
                           'or "none"', param="tool_choice")
-    if mode != "none" and (req.structured_outputs is not None or (
-            req.response_format is not None and req.response_format.type != "text")):
-        raise bad_request("tool calls and `response_format` / `structured_outputs` exclude "
-                          'each other (unless `tool_choice` is "none")', param="tool_choice")
-    return ToolPlan(mode, tools, function, req.parallel_tool_calls is not False)
+    if mode != "none" and constrained_by is not None:
+        raise bad_request(f"tool calls and `{constrained_by}` exclude each other (unless "
+                          '`tool_choice` is "none")', param="tool_choice")
+    return ToolPlan(mode, tools, named or "", parallel is not False)
