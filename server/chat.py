@@ -18,7 +18,7 @@ from heron.server.errors import bad_request, decode_body
 from heron.server.generation import Generation
 from heron.server.logprob_format import chat_logprobs, token_id_text
 from heron.server.protocol import ChatCompletionRequest
-from heron.server.reasoning import ReasoningSplit
+from heron.server.reasoning import ReasoningSplit, plan_thinking
 from heron.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionResponse, ChatDelta, ChatLogprobs,
                                     ChatMessageOut, FunctionDelta, ToolCallDelta,
@@ -51,9 +51,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                              structured=tools.structured if tools else None)
     reasoning = app[REASONING]
-    thinking = reasoning.thinking(prompt_ids) if reasoning is not None else None
-    if thinking is not None and params.structured_outputs is not None:
-        params.structured_outputs.reasoning = reasoning.gate(thinking)  # the answer's only
+    thinking = plan_thinking(reasoning, prompt_ids, params)
     async with Generation(request, "chatcmpl", [prompt_ids], params, req.cache_salt,
                           adapter=adapter) as gen:
         if req.stream:

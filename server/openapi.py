@@ -8,6 +8,7 @@ import importlib.metadata
 import msgspec
 
 from heron.server import protocol as req
+from heron.server import response_protocol as resp_api
 from heron.server.middleware import OPEN_PATHS
 from heron.server import responses as res
 
@@ -22,6 +23,8 @@ ROUTES = (
      res.CompletionResponse, True),
     ("post", "/v1/chat/completions", "Chat completion", req.ChatCompletionRequest,
      res.ChatCompletionResponse, True),
+    ("post", "/v1/responses", "Responses API (nothing is stored: send the whole conversation "
+     "as `input`)", resp_api.ResponsesRequest, resp_api.Response, True),
     ("post", "/v1/translations", "Translation (translation models: `src_lang` and `tgt_lang` "
      "are NLLB codes like `eng_Latn`)", req.TranslationRequest, res.TranslationResponse, False),
     ("post", "/tokenize", "Token ids of a prompt or chat", req.TokenizeRequest,
@@ -59,8 +62,8 @@ def openapi_document() -> bytes:
                    else _json_content(by_type[out]))
         if streams:
             content["text/event-stream"] = {"schema": {"type": "string", "description":
-                "`data: <chunk JSON>` events (ChatCompletionChunk / CompletionResponse), "
-                "then `data: [DONE]`"}}
+                "`data: <chunk JSON>` events (ChatCompletionChunk / CompletionResponse; "
+                "the Responses API's named events), then `data: [DONE]`"}}
         op: dict = {"summary": summary,
                     "responses": {"200": {"description": "success", "content": content},
                                   "default": error}}

@@ -23,10 +23,10 @@ where ``</think>`` appears in it; the grammar starts after the ``</think>`` toke
 from __future__ import annotations
 
 from heron.core.config import ConfigError
-from heron.core.sampling_params import ReasoningGate
+from heron.core.sampling_params import ReasoningGate, SamplingParams
 from heron.core.tokenizer import Tokenizer
 
-__all__ = ["PARSERS", "ReasoningParser", "ReasoningSplit", "reasoning_parser"]
+__all__ = ["PARSERS", "ReasoningParser", "ReasoningSplit", "plan_thinking", "reasoning_parser"]
 
 START, END = "<think>", "</think>"
 #: parser name -> whether an output starts in its thinking when its prompt does not say
@@ -42,6 +42,17 @@ def reasoning_parser(name: str, tokenizer: Tokenizer | None) -> ReasoningParser 
     if tokenizer is None:
         raise ConfigError(f"server.reasoning_parser {name!r} needs a model with a tokenizer")
     return ReasoningParser(name, tokenizer)
+
+
+def plan_thinking(parser: ReasoningParser | None, prompt_ids: list[int],
+                  params: SamplingParams) -> bool | None:
+    """Whether the outputs of ``prompt_ids`` start in their thinking (`ReasoningParser.thinking`;
+    None also without a parser); a grammar in ``params`` is set to wait for the thinking's
+    end."""
+    thinking = parser.thinking(prompt_ids) if parser is not None else None
+    if thinking is not None and params.structured_outputs is not None:
+        params.structured_outputs.reasoning = parser.gate(thinking)
+    return thinking
 
 
 class ReasoningParser:
@@ -72,6 +83,14 @@ class ReasoningParser:
             if self._tokenizer.decode([token], skip_special_tokens=False).strip():
                 break
         return PARSERS[self.name]
+
+    def thinking_tokens(self, token_ids: list[int], opened: bool) -> int:
+        """How many of an output's tokens are its thinking, markers included."""
+        if not token_ids or not (opened or token_ids[0] == self.start_token_id):
+            return 0
+        if self.end_token_id in token_ids:
+            return token_ids.index(self.end_token_id) + 1
+        return len(token_ids)
 
     def gate(self, opened: bool) -> ReasoningGate:
         """What a grammar leaves free of an output that starts as ``thinking`` said."""

@@ -33,9 +33,11 @@ class EventStream:
     async def start(self) -> None:
         await self.response.prepare(self.request)
 
-    async def send(self, body: msgspec.Struct) -> None:
-        """Raises ConnectionResetError once the client has gone."""
-        await self.response.write(b"data: " + msgspec.json.encode(body) + b"\n\n")
+    async def send(self, body: msgspec.Struct, event: str | None = None) -> None:
+        """Raises ConnectionResetError once the client has gone. ``event``: the event's name
+        (the Responses API names each)."""
+        named = b"" if event is None else b"event: " + event.encode() + b"\n"
+        await self.response.write(named + b"data: " + msgspec.json.encode(body) + b"\n\n")
 
     async def fail(self, error: APIError) -> None:
         await self.send(error.body())

@@ -61,8 +61,8 @@ def test_models_health_openapi(server, client):
     status, _, body = server.http("GET", "/openapi.json")
     doc = json.loads(body)
     assert status == 200 and doc["openapi"].startswith("3.")
-    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
-            "/v1/models", "/health", "/metrics"} <= set(doc["paths"])
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
+            "/detokenize", "/v1/models", "/health", "/metrics"} <= set(doc["paths"])
     assert doc["security"] == [{"bearer": []}] and "bearer" in doc["components"]["securitySchemes"]
     assert doc["paths"]["/health"]["get"]["security"] == []  # open routes say so
     schema = doc["components"]["schemas"]["CompletionRequest"]

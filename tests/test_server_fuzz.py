@@ -307,11 +307,15 @@ def assert_stream(body: bytes) -> None:
     events = [e for e in body.decode().split("\n\n") if e.strip()]
     assert events and events[-1] == "data: [DONE]", body[-300:]
     for event in events[:-1]:
-        for line in event.splitlines():
-            assert line.startswith("data: ") and line != "data: [DONE]", event
-            payload = json.loads(line.removeprefix("data: "))
-            if "error" in payload:
-                assert_error_shape(payload)
+        lines = event.splitlines()
+        name = lines.pop(0).removeprefix("event: ") if lines[0].startswith("event: ") else None
+        [line] = lines
+        assert line.startswith("data: ") and line != "data: [DONE]", event
+        payload = json.loads(line.removeprefix("data: "))
+        if "error" in payload:
+            assert_error_shape(payload)
+        elif name is not None:  # a Responses API event: named by its type
+            assert payload["type"] == name, event
 
 
 def check(answer: tuple[int, dict, bytes]) -> int:

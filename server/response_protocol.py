@@ -1,0 +1,328 @@
+"""OpenAI's Responses API (/v1/responses) as msgspec Structs: the request, its input items,
+the response with its output items, and the stream's events.
+
+Input items are decoded one by one (`INPUT_ITEMS`, by ``type``; a message may leave it
+out), so that an error names the item. Output items and events carry their ``type`` as a
+msgspec tag.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta, Struct
+
+from heron.server.protocol import SamplingFields, ToolName, _Body
+
+Status = Literal["in_progress", "completed", "incomplete"]
+
+
+# -- the request -------------------------------------------------------------------------
+
+class TextFormat(_Body, kw_only=True):
+    """``text.format``: plain text, any JSON object, or JSON matching ``schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Body, kw_only=True):
+    format: TextFormat | None = None
+    verbosity: str | None = None  # accepted and ignored
+
+
+class FunctionTool(_Body, kw_only=True):
+    type: Literal["function"]
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class FunctionChoice(_Body, kw_only=True):
+    type: Literal["function"]
+    name: str
+
+
+class ReasoningConfig(_Body, kw_only=True):
+    """Accepted and ignored: whether and how long a model thinks is its chat template's
+    (and its own) business here."""
+
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
+class ResponsesRequest(SamplingFields, kw_only=True):
+    """``input``: a string (one user message) or a list of items (`INPUT_ITEMS`), checked
+    by the handler. vLLM's sampling fields (``top_k``, ``seed``...) apply as in chat."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's, as in chat
+    prompt_cache_key: str | None = None  # accepted: the prefix cache needs no key
+    safety_identifier: str | None = None
+    # refused by name (see `unsupported_field`)
+    previous_response_id: str | None = None
+    background: bool | None = None
+    max_tool_calls: int | None = None
+
+    def unsupported_field(self) -> str | None:
+        refused = (
+            ("previous_response_id", self.previous_response_id is not None),  # none are kept
+            ("background", bool(self.background)),
+            ("max_tool_calls", self.max_tool_calls is not None),
+            ("truncation", self.truncation == "auto"),  # never cut: a 400 when it does not fit
+            ("include", any(name != "reasoning.encrypted_content" for name in self.include or ())),
+            ("response_format", self.response_format is not None),  # chat's: here text.format
+            ("structured_outputs", self.structured_outputs is not None),
+            ("stream_options", self.stream_options is not None),
+            ("n", self.n != 1))
+        return next((name for name, on in refused if on), None) or super().unsupported_field()
+
+
+class InputPart(_Body, kw_only=True):
+    """Text in a message: the user's (``input_text``) or an earlier answer's
+    (``output_text``); images and files are not served."""
+
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+    annotations: Any = None
+    logprobs: Any = None
+
+
+class MessageItem(_Body, kw_only=True):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputPart]
+    id: str | None = None
+    status: str | None = None
+    phase: str | None = None
+
+
+class FunctionCallItem(_Body, kw_only=True):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Body, kw_only=True):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputPart]
+    id: str | None = None
+    status: str | None = None
+
+
+class ReasoningPart(_Body, kw_only=True):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(_Body, kw_only=True):
+    """An earlier answer's thinking; it reaches the template with the answer after it."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningPart] = []
+    content: list[ReasoningPart] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
+INPUT_ITEMS: dict[str, type] = {"message": MessageItem, "function_call": FunctionCallItem,
+                                "function_call_output": FunctionCallOutputItem,
+                                "reasoning": ReasoningItem}
+
+
+# -- the response ------------------------------------------------------------------------
+
+class _Out(Struct, kw_only=True):
+    pass
+
+
+class OutputText(_Out, kw_only=True, tag_field="type", tag="output_text"):
+    text: str
+    annotations: list[Any] = []
+    logprobs: list[Any] = []
+
+
+class ReasoningText(_Out, kw_only=True, tag_field="type", tag="reasoning_text"):
+    text: str
+
+
+class OutputMessage(_Out, kw_only=True, tag_field="type", tag="message"):
+    id: str
+    role: Literal["assistant"] = "assistant"
+    status: Status
+    content: list[OutputText]
+
+
+class OutputReasoning(_Out, kw_only=True, tag_field="type", tag="reasoning"):
+    id: str
+    summary: list[Any] = []
+    content: list[ReasoningText]
+    status: Status
+
+
+class OutputFunctionCall(_Out, kw_only=True, tag_field="type", tag="function_call"):
+    id: str
+    call_id: str
+    name: str
+    arguments: str  # JSON, as the model wrote it
+    status: Status
+
+
+OutputItem = OutputMessage | OutputReasoning | OutputFunctionCall
+
+
+class InputTokensDetails(_Out, kw_only=True):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(_Out, kw_only=True):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(_Out, kw_only=True):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(_Out, kw_only=True):
+    reason: Literal["max_output_tokens"]
+
+
+class Response(_Out, kw_only=True):
+    """The request's settings come back beside the output, as OpenAI's do. Nothing is
+    stored: ``store`` is always false, and ``previous_response_id`` is refused."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    model: str
+    output: list[OutputItem]
+    usage: ResponseUsage | None = None
+    incomplete_details: IncompleteDetails | None = None
+    error: None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    parallel_tool_calls: bool = True
+    temperature: float
+    top_p: float
+    tool_choice: Any = "auto"
+    tools: list[FunctionTool] = []
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    metadata: dict[str, str] | None = None
+    previous_response_id: None = None
+    store: bool = False
+    truncation: Literal["disabled"] = "disabled"
+    user: str | None = None
+
+
+# -- the stream's events -----------------------------------------------------------------
+
+class Event(_Out, kw_only=True, tag_field="type"):
+    sequence_number: int = 0  # set as the event is sent
+
+
+class ResponseCreated(Event, kw_only=True, tag="response.created"):
+    response: Response
+
+
+class ResponseInProgress(Event, kw_only=True, tag="response.in_progress"):
+    response: Response
+
+
+class ResponseCompleted(Event, kw_only=True, tag="response.completed"):
+    response: Response
+
+
+class ResponseIncomplete(Event, kw_only=True, tag="response.incomplete"):
+    response: Response
+
+
+class OutputItemAdded(Event, kw_only=True, tag="response.output_item.added"):
+    output_index: int
+    item: OutputItem
+
+
+class OutputItemDone(Event, kw_only=True, tag="response.output_item.done"):
+    output_index: int
+    item: OutputItem
+
+
+class ContentPartAdded(Event, kw_only=True, tag="response.content_part.added"):
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    part: OutputText | ReasoningText
+
+
+class ContentPartDone(Event, kw_only=True, tag="response.content_part.done"):
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    part: OutputText | ReasoningText
+
+
+class OutputTextDelta(Event, kw_only=True, tag="response.output_text.delta"):
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    delta: str
+    logprobs: list[Any] = []
+
+
+class OutputTextDone(Event, kw_only=True, tag="response.output_text.done"):
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    text: str
+    logprobs: list[Any] = []
+
+
+class ReasoningTextDelta(Event, kw_only=True, tag="response.reasoning_text.delta"):
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    delta: str
+
+
+class ReasoningTextDone(Event, kw_only=True, tag="response.reasoning_text.done"):
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    text: str
+
+
+class ArgumentsDelta(Event, kw_only=True, tag="response.function_call_arguments.delta"):
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class ArgumentsDone(Event, kw_only=True, tag="response.function_call_arguments.done"):
+    item_id: str
+    output_index: int
+    name: str
+    arguments: str

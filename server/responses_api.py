@@ -1,0 +1,231 @@
+"""POST /v1/responses: OpenAI's Responses API over the chat machinery.
+
+``instructions`` and the ``input`` items become chat messages for the model's template: a
+message as itself, function calls as an assistant message's ``tool_calls``, their outputs
+as ``tool`` messages, and earlier thinking (``reasoning`` items) as the next assistant
+message's reasoning. Tools, ``tool_choice``, ``text.format`` (structured outputs) and a
+reasoning parser work as in chat (`heron.server.tools`, `heron.server.reasoning`). The
+output is a ``reasoning`` item (the thinking, with a parser), then a ``message`` or the
+function calls; a stream sends the events that build them (`heron.server.response_output`),
+between ``response.created`` / ``response.in_progress`` and ``response.completed`` (or
+``response.incomplete`` when ``max_output_tokens`` cut the output). Nothing is stored.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import msgspec
+from aiohttp import web
+
+from heron.core.sampling_params import StructuredOutput
+from heron.server.admission import chat_prompt, check_fits, check_request, sampling_params
+from heron.server.appkeys import CONFIG, REASONING
+from heron.server.errors import bad_request, decode_body, from_decode_error
+from heron.server.generation import Choice, Generation
+from heron.server.protocol import ChatMessage, ContentPart, FunctionCall, ToolCallIn
+from heron.server.reasoning import ReasoningParser, ReasoningSplit, plan_thinking
+from heron.server.response_output import OutputBuilder
+from heron.server.response_protocol import (INPUT_ITEMS, Event, FunctionCallItem,
+                                            FunctionCallOutputItem, FunctionChoice,
+                                            IncompleteDetails, InputTokensDetails, MessageItem,
+                                            OutputFunctionCall, OutputTokensDetails,
+                                            ReasoningItem, Response,
+                                            ResponseCompleted, ResponseCreated,
+                                            ResponseIncomplete, ResponseInProgress,
+                                            ResponsesRequest, ResponseUsage, TextConfig,
+                                            TextFormat)
+from heron.server.sse import EventStream
+from heron.server.tools import ToolPlan, new_call_id, plan_tools
+from heron.server.translation_jobs import refuse_translation_model
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    req = await decode_body(request, ResponsesRequest)
+    adapter = check_request(app, req)
+    refuse_translation_model(app, "/v1/responses")
+    messages = conversation(req)
+    fmt = req.text.format if req.text is not None else None
+    formatted = fmt is not None and fmt.type != "text"
+    choice = req.tool_choice
+    tools = plan_tools(req.tools, choice if isinstance(choice, str) else None,
+                       choice.name if isinstance(choice, FunctionChoice) else None,
+                       req.parallel_tool_calls, app[CONFIG].server.tool_call_parser,
+                       "text.format" if formatted else None)
+    prompt_ids = chat_prompt(app, messages, template_kwargs=req.chat_template_kwargs,
+                             tools=tools.template_tools if tools else None)
+    check_fits(app, prompt_ids, req.max_output_tokens, "input", "max_output_tokens")
+    structured = (tools.structured if tools else None) or (_format_grammar(fmt) if formatted
+                                                           else None)
+    params = sampling_params(app, req, max_tokens=req.max_output_tokens, logprobs=None,
+                             structured=structured)
+    thinking = plan_thinking(app[REASONING], prompt_ids, params)
+    async with Generation(request, "resp", [prompt_ids], params, req.cache_salt,
+                          adapter=adapter) as gen:
+        answer = _Answer(req, gen, tools, app[REASONING], thinking)
+        if req.stream:
+            return await _stream(request, answer)
+        await gen.run_to_end()
+        if (error := gen.failure()) is not None:
+            raise error
+        c = gen.choices[(0, 0)]
+        answer.feed(c.text, c.finish_reason)
+        return web.Response(body=msgspec.json.encode(answer.final(c).response),
+                            content_type="application/json")
+
+
+async def _stream(request: web.Request, answer: _Answer) -> web.StreamResponse:
+    events = EventStream(request)
+    numbers = itertools.count()
+
+    async def send(event: Event) -> None:
+        event.sequence_number = next(numbers)
+        await events.send(event, event=type(event).__struct_config__.tag)
+
+    async def produce() -> Event | None:
+        await send(ResponseCreated(response=answer.response("in_progress")))
+        await send(ResponseInProgress(response=answer.response("in_progress")))
+        async for _, delta in answer.gen.deltas():
+            for sd in delta.seqs:
+                if sd.finish_reason in ("error", "abort"):
+                    await events.fail(answer.gen.failure())
+                    return None
+                for event in answer.feed(sd.text, sd.finish_reason):
+                    await send(event)
+        await send(answer.final(answer.gen.choices[(0, 0)]))
+        return None
+
+    return await events.run(produce)
+
+
+def _format_grammar(fmt) -> StructuredOutput:
+    if fmt.type == "json_object":
+        return StructuredOutput(json={"type": "object"})
+    if fmt.schema is None:
+        raise bad_request("`text.format` of type json_schema needs `schema`",
+                          param="text.format.schema")
+    return StructuredOutput(json=fmt.schema)
+
+
+def conversation(req: ResponsesRequest) -> list[ChatMessage]:
+    """The chat messages of ``instructions`` and ``input``; 400s name the item at fault."""
+    messages = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
+    if isinstance(req.input, str):
+        return messages + [ChatMessage(role="user", content=req.input)]
+    if not req.input and not messages:
+        raise bad_request("`input` must not be empty", param="input")
+    thought: str | None = None  # a reasoning item's, for the assistant turn after it
+    for i, raw in enumerate(req.input):
+        item = _item(i, raw)
+        if isinstance(item, ReasoningItem):
+            thought = "".join(p.text for p in item.content or item.summary)
+        elif isinstance(item, MessageItem):
+            content = item.content if isinstance(item.content, str) else [
+                ContentPart(type="text", text=part.text) for part in item.content]
+            messages.append(ChatMessage(role=item.role, content=content))
+        elif isinstance(item, FunctionCallItem):
+            call = ToolCallIn(id=item.call_id, function=FunctionCall(name=item.name,
+                                                                     arguments=item.arguments))
+            last = messages[-1] if messages else None
+            if (last is not None and last.role == "assistant"
+                    and (last.tool_calls or thought is None)):
+                last.tool_calls = [*(last.tool_calls or ()), call]  # one turn, several calls
+                continue
+            messages.append(ChatMessage(role="assistant", tool_calls=[call]))
+        else:
+            output = item.output if isinstance(item.output, str) else "".join(
+                part.text for part in item.output)
+            messages.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=output))
+        if thought is not None and messages and messages[-1].role == "assistant":
+            messages[-1].reasoning, thought = thought, None
+    return messages
+
+
+def _item(i: int, raw: dict):
+    kind = raw.get("type", "message")
+    if not isinstance(kind, str) or kind not in INPUT_ITEMS:
+        raise bad_request(f"`input[{i}].type` {kind!r} is not supported by this server (it "
+                          f"takes {', '.join(INPUT_ITEMS)})", param=f"input[{i}].type",
+                          code="unsupported_field")
+    try:
+        return msgspec.convert(raw, INPUT_ITEMS[kind])
+    except msgspec.ValidationError as e:
+        error = from_decode_error(e)
+        error.param = f"input[{i}]" + (f".{error.param}" if error.param else "")
+        error.message = error.message.replace("$", f"$.input[{i}]", 1)
+        raise error from None
+
+
+class _Answer:
+    """One response's output as the engine's text comes: the thinking split off, the
+    answer as a message or as function calls (`OutputBuilder`)."""
+
+    def __init__(self, req: ResponsesRequest, gen: Generation, tools: ToolPlan | None,
+                 parser: ReasoningParser | None, thinking: bool | None) -> None:
+        self.req, self.gen, self.tools = req, gen, tools
+        self.parser, self.thinking = parser, thinking
+        self.split = ReasoningSplit(thinking) if thinking is not None else None
+        self.mode = tools.mode if tools is not None else "none"
+        self.output = OutputBuilder()
+        self.held = ""  # "required" / "auto": the answer, parsed once whole
+        self.call_id = new_call_id()  # "named": the one call
+
+    def feed(self, text: str, finish_reason: str | None) -> list[Event]:
+        """The events of the output's next ``text``; the last piece has its finish reason."""
+        thought, text = (self.split.feed(text, final=finish_reason is not None)
+                         if self.split is not None else ("", text))
+        events = self.output.reasoning(thought)
+        if self.mode == "none":
+            events += self.output.message(text)
+        elif self.mode == "named":
+            if text:
+                events += self.output.call(self.call_id, self.tools.function, text)
+        else:
+            self.held += text
+        if finish_reason is None:
+            return events
+        if self.mode == "named" and not any(isinstance(item, OutputFunctionCall)
+                                            for item in self.output.items):
+            events += self.output.call(self.call_id, self.tools.function, "")  # no arguments
+        elif self.mode not in ("none", "named"):
+            content, calls = self.tools.parse(self.held)
+            events += self.output.message(content or "")
+            for call in calls:
+                events += self.output.call(call.id, call.function.name, call.function.arguments)
+        return events + self.output.close("incomplete" if finish_reason == "length"
+                                          else "completed")
+
+    def final(self, c: Choice) -> ResponseCompleted | ResponseIncomplete:
+        """The last event: the whole response, once ``c`` (its one choice) finished."""
+        if c.finish_reason == "length":
+            return ResponseIncomplete(response=self.response("incomplete", self._usage(c)))
+        return ResponseCompleted(response=self.response("completed", self._usage(c)))
+
+    def _usage(self, c: Choice) -> ResponseUsage:
+        usage = self.gen.usage()
+        thinking = (self.parser.thinking_tokens(c.token_ids, self.thinking)
+                    if self.thinking is not None else 0)
+        return ResponseUsage(
+            input_tokens=usage.prompt_tokens,
+            input_tokens_details=InputTokensDetails(
+                cached_tokens=usage.prompt_tokens_details.cached_tokens),
+            output_tokens=usage.completion_tokens,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=thinking),
+            total_tokens=usage.total_tokens)
+
+    def response(self, status: str, usage: ResponseUsage | None = None) -> Response:
+        req = self.req
+        choice = req.tool_choice
+        return Response(
+            id=self.gen.id, created_at=self.gen.created, status=status, model=self.gen.model,
+            output=list(self.output.items), usage=usage,
+            incomplete_details=IncompleteDetails(reason="max_output_tokens")
+            if status == "incomplete" else None,
+            instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+            temperature=req.temperature, top_p=req.top_p,
+            tool_choice=choice if choice is not None else ("auto" if req.tools else "none"),
+            tools=req.tools or [], text=req.text or TextConfig(format=TextFormat(type="text")),
+            reasoning=req.reasoning,
+            metadata=req.metadata, user=req.user)
