@@ -83,7 +83,7 @@ async def _stream(request: web.Request, answer: _Answer) -> web.StreamResponse:
         event.sequence_number = next(numbers)
         await events.send(event, event=type(event).__struct_config__.tag)
 
-    async def produce() -> Event | None:
+    async def produce() -> None:
         await send(ResponseCreated(response=answer.response("in_progress")))
         await send(ResponseInProgress(response=answer.response("in_progress")))
         async for _, delta in answer.gen.deltas():
