@@ -39,29 +39,22 @@ class OutputBuilder:
 
     def reasoning(self, text: str) -> list[Event]:
         """The next piece of the thinking."""
-        if not text:
-            return []
-        events = []
-        if not isinstance(self._open, OutputReasoning):
-            events += self._start(OutputReasoning(id=_item_id("rs"), content=[ReasoningText(
-                text="")], status="in_progress"), ReasoningText(text=""))
-        item = self._open
-        item.content[0].text += text
-        return events + [ReasoningTextDelta(item_id=item.id, output_index=self._index,
-                                            delta=text)]
+        return self._text(text, OutputReasoning, ReasoningText, ReasoningTextDelta, "rs")
 
     def message(self, text: str) -> list[Event]:
         """The next piece of the answer's text."""
+        return self._text(text, OutputMessage, OutputText, OutputTextDelta, "msg")
+
+    def _text(self, text: str, item_type, part_type, delta_type, prefix: str) -> list[Event]:
         if not text:
             return []
         events = []
-        if not isinstance(self._open, OutputMessage):
-            events += self._start(OutputMessage(id=_item_id("msg"), content=[OutputText(
-                text="")], status="in_progress"), OutputText(text=""))
+        if not isinstance(self._open, item_type):
+            events += self._start(item_type(id=_item_id(prefix), content=[part_type(text="")],
+                                            status="in_progress"), part_type(text=""))
         item = self._open
         item.content[0].text += text
-        return events + [OutputTextDelta(item_id=item.id, output_index=self._index,
-                                         delta=text)]
+        return events + [delta_type(item_id=item.id, output_index=self._index, delta=text)]
 
     def call(self, call_id: str, name: str, arguments: str) -> list[Event]:
         """The next piece of call ``call_id``'s arguments (a new call for a new id)."""
