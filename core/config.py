@@ -79,6 +79,7 @@ class EngineConfig(_Section):
     cuda_graphs: bool = True
     async_scheduling: Literal["auto", "on", "off"] = "auto"
     preemption: Literal["recompute", "swap"] = "recompute"
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     swap_space_gb: float = 4.0
     num_swap_blocks: int | None = None
 

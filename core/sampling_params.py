@@ -99,6 +99,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     speculative: bool = True  # False: never draft for this request (`heron.core.speculative`)
+    priority: int = 0  # lower runs first (`heron.core.scheduler`); scheduling_policy "priority"
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first field out of range (``logit_bias`` ids must lie

@@ -1,9 +1,16 @@
 """Continuous batching: each step, a token budget's worth of decodes and prefill chunks.
 
-Policy (FCFS): running sequences first, oldest first, each taking its next chunk (one token
-for a decode); then swapped-out sequences are brought back, then waiting sequences are
-admitted, while the budget, the sequence limit and the blocks allow. An admitted sequence
-starts after the longest prefix the prefix cache holds for it.
+Policy: sequences are ranked by priority (``SamplingParams.priority``, lower first; always
+0 under ``scheduling_policy = "fcfs"``), then by arrival. Running sequences go first, best
+ranked first, each taking its next chunk (one token for a decode); then swapped-out
+sequences are brought back, then waiting sequences are admitted, in rank order, while the
+budget, the sequence limit and the blocks allow. An admitted sequence starts after the
+longest prefix the prefix cache holds for it.
+
+A waiting sequence of a better priority than running ones does not wait for them: at the
+start of a step, running sequences of a worse priority are preempted (the worst first)
+while it has no seat or no blocks for its first chunk, and they do not run prefill chunks
+in a step it waits in, which leaves it the budget.
 
 Beam search (``num_beams > 1``) runs a request's beams as a gang: admitting it reserves a
 seat for every beam (its forks never wait for one), and preempting one of its sequences
@@ -20,11 +27,11 @@ cannot starve it. Its decoder rows may join the step that runs its last stage.
 Speculative drafts (`heron.core.speculative`) ride with their sequence's pending token in
 one chunk; they are cut to the budget, and dropped rather than preempt anyone for blocks.
 
-When blocks run out (free blocks plus cached blocks nobody uses), the newest running
+When blocks run out (free blocks plus cached blocks nobody uses), the worst ranked running
 sequence is preempted: with ``preemption = "swap"`` its blocks are copied to the host pool
 (``SchedulerOutput.swap_out``) and it waits in the swapped queue with its progress kept;
-otherwise, or when the host pool is full, by recompute: it goes back to the front of the
-waiting queue with no computed tokens (its written blocks stay in the prefix cache, so the
+otherwise, or when the host pool is full, by recompute: it goes back to the waiting queue,
+in rank order, with no computed tokens (its written blocks stay in the prefix cache, so the
 recompute is mostly a cache hit). Pure bookkeeping: no tensors.
 
 With state snapshots (families with recurrent state), a hit also restores the state
@@ -38,7 +45,6 @@ is cached when the sequence finishes); under ``every_block``, every block bounda
 from __future__ import annotations
 
 import bisect
-from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -73,8 +79,8 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.scheduled)
 
 
-def _age(seq: Sequence) -> tuple[int, int]:
-    return seq.arrival, seq.seq_id
+def _rank(seq: Sequence) -> tuple[int, int, int]:
+    return seq.params.priority, seq.arrival, seq.seq_id
 
 
 class Scheduler:
@@ -99,16 +105,18 @@ class Scheduler:
         self.adapter_pool = adapter_pool
         self.encoder_stages = encoder_stages
         self._splits: dict[int, dict[int, bool]] = {}  # seq id -> {position: commit?}
-        self.waiting: deque[Sequence] = deque()
-        self.swapped: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # oldest first: the last is the next victim
+        # each queue in rank order: the first is the next to run, the last running the
+        # next victim
+        self.waiting: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0  # tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of those, tokens whose KV was reused
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=_rank)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.swapped or self.running)
@@ -300,13 +308,13 @@ class Scheduler:
             out.swap_out += zip(seq.block_table, seq.host_block_table)
             self._release(seq)
             seq.status = SequenceStatus.SWAPPED
-            self.swapped.appendleft(seq)
+            bisect.insort(self.swapped, seq, key=_rank)
         else:
             self._release(seq)
             self._release_adapter(seq)
             seq.num_computed_tokens = seq.encoder_stages_done = 0  # the engine frees its slot
             seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(seq)
+            bisect.insort(self.waiting, seq, key=_rank)
         out.preempted.append(seq)
         self.num_preemptions += 1
         return seq
@@ -318,9 +326,15 @@ class Scheduler:
         engine knows they end when their token in flight lands)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self._make_room(out)
+        made_room = len(out.preempted)
+        waiting = self.waiting[0].params.priority if self.waiting else None
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.seq_id in hold:
                 continue  # (not running: preempted earlier in this loop)
+            if (waiting is not None and waiting < seq.params.priority
+                    and seq.num_uncomputed_tokens > 1):
+                continue  # a prefill chunk: the budget goes to the better waiting sequence
             if budget == 0 and not self._encoder_left(seq):
                 if not self.encoder_stages:
                     break  # nothing else runs without budget
@@ -340,13 +354,25 @@ class Scheduler:
                 seq.block_table += self._allocate(needed)
             out.scheduled.append(ScheduledSeq(seq, num_tokens, stages))
             budget -= cost + num_tokens
-        if out.preempted:
+        if len(out.preempted) > made_room:
             return out  # bringing others in now would only preempt again
         budget = self._swap_in(out, budget)
-        if self.swapped:
-            return out  # the swapped are older than anything waiting
+        if self.swapped and (not self.waiting or _rank(self.swapped[0]) < _rank(self.waiting[0])):
+            return out  # the swapped rank before anything waiting
         self._admit(out, budget)
         return out
+
+    def _make_room(self, out: SchedulerOutput) -> None:
+        """Preempt running sequences of a worse priority than the first waiting one while
+        it has no seat, or no blocks for its first chunk."""
+        while self.waiting and self.running:
+            head = self.waiting[0]
+            if head.params.priority >= self.running[-1].params.priority:
+                return
+            chunk = min(head.num_uncomputed_tokens, self.max_num_batched_tokens)
+            if self._has_seat(head) and self._can_allocate(self._blocks_needed(head, chunk)):
+                return
+            self._preempt_last(out)
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and self._has_seat(self.swapped[0]):
@@ -355,7 +381,7 @@ class Scheduler:
             needed = self._blocks_needed(seq, num_tokens)
             if not self._can_allocate(needed):
                 break
-            self.swapped.popleft()
+            self.swapped.pop(0)
             seq.block_table = self._allocate(needed)
             out.swap_in += zip(seq.host_block_table, seq.block_table)
             # NOTE: safe to free before the copy: no step both swaps out and swaps in
@@ -384,7 +410,7 @@ class Scheduler:
                 self._release_adapter(seq)
                 seq.num_computed_tokens = 0
                 break
-            self.waiting.popleft()
+            self.waiting.pop(0)
             cached = seq.num_computed_tokens
             if found is not None:
                 self.prefix_queried_tokens += len(seq.token_ids)
@@ -404,7 +430,7 @@ class Scheduler:
     def _run(self, seq: Sequence, num_tokens: int, out: SchedulerOutput,
              encoder_stages: int = 0) -> None:
         seq.status = SequenceStatus.RUNNING
-        bisect.insort(self.running, seq, key=_age)
+        bisect.insort(self.running, seq, key=_rank)
         out.scheduled.append(ScheduledSeq(seq, num_tokens, encoder_stages))
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int, int] | None:
@@ -432,7 +458,7 @@ class Scheduler:
         child.encoder_stages_done = parent.encoder_stages_done
         child.num_cached_tokens = parent.num_cached_tokens
         child.status = SequenceStatus.RUNNING
-        bisect.insort(self.running, child, key=_age)
+        bisect.insort(self.running, child, key=_rank)
         return copy
 
     def finish(self, seq: Sequence, *, cache: bool = True) -> None:

@@ -225,7 +225,11 @@ def sampling_params(app: web.Application, req: SamplingFields, *, max_tokens: in
         ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens, speculative=req.speculative,
-        **beam_fields(req))
+        priority=req.priority, **beam_fields(req))
+    if req.priority and app[CONFIG].engine.scheduling_policy != "priority":
+        raise bad_request("`priority` needs a server with engine.scheduling_policy = "
+                          '"priority" (this one runs requests first come, first served)',
+                          param="priority")
     return validated(params, app[ASYNC_ENGINE].engine.runner.info.vocab_size)
 
 

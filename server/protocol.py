@@ -92,6 +92,8 @@ class SamplingFields(_Body, kw_only=True):
     cache_salt: Annotated[str, Meta(min_length=1)] | None = None
     # false: no speculative drafts for this request (outputs are the same either way)
     speculative: bool = True
+    # vLLM's: lower runs first, with engine.scheduling_policy = "priority"
+    priority: Annotated[int, Meta(ge=-2**31, le=2**31 - 1)] = 0
     # the output matches a JSON schema, a regex, ... (vLLM's, or OpenAI's response_format)
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None

@@ -1,4 +1,5 @@
-"""Scheduler policy as pure bookkeeping: budgets, chunking, FCFS, preemption, accounting."""
+"""Scheduler policy as pure bookkeeping: budgets, chunking, FCFS, priorities, preemption,
+accounting."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ def make(num_blocks=100, **kw):
     return Scheduler(cfg, pool), pool
 
 
-def seq(i, n):
-    return Sequence(i, f"r{i}", list(range(n)), SamplingParams(), i)
+def seq(i, n, priority=0):
+    return Sequence(i, f"r{i}", list(range(n)), SamplingParams(priority=priority), i)
 
 
 def advance(out):
@@ -160,3 +161,76 @@ def test_a_preempted_encoder_decoder_sequence_encodes_again():
     a.token_ids += [1, 1, 1]  # its block is full: the next token needs a second block
     out = sched.schedule()
     assert out.preempted == [a] and a.encoder_stages_done == 0 and a.num_computed_tokens == 0
+
+
+def scheduled(out):
+    return [(s.seq.seq_id, s.num_tokens) for s in out.scheduled]
+
+
+def test_priority_ranks_before_arrival():
+    sched, _ = make(max_num_seqs=1, scheduling_policy="priority")
+    for i, priority in enumerate([1, 0, -1, 0]):
+        sched.add(seq(i, 2, priority))
+    order = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        [item] = out.scheduled
+        order.append(item.seq.seq_id)
+        sched.finish(item.seq)
+    assert order == [2, 1, 3, 0]
+
+
+def test_a_better_priority_takes_the_seat_of_the_worst_running():
+    sched, _ = make(max_num_seqs=2, scheduling_policy="priority")
+    a, b, c, d = seq(0, 2, 0), seq(1, 2, 1), seq(2, 2, 1), seq(3, 2, -1)
+    sched.add(a)
+    sched.add(b)
+    advance(sched.schedule())
+    sched.add(c)  # no better than b: it waits for a seat
+    out = sched.schedule()
+    assert scheduled(out) == [(0, 1), (1, 1)] and not out.preempted
+    advance(out)
+    sched.add(d)
+    out = sched.schedule()
+    assert out.preempted == [b] and scheduled(out) == [(0, 1), (3, 2)]
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
+    assert sched.waiting == [b, c]  # rank order: the same priority, b arrived first
+
+
+def test_a_better_priority_takes_the_blocks_of_worse_ones():
+    sched, pool = make(num_blocks=4, scheduling_policy="priority")
+    low = [seq(0, 8, 2), seq(1, 4, 1)]  # 3 blocks held once decoding
+    for s in low:
+        sched.add(s)
+    advance(sched.schedule())
+    high = seq(2, 8, 0)  # needs 2 blocks; 1 is free
+    sched.add(high)
+    out = sched.schedule()
+    assert out.preempted == [low[0]] and (2, 8) in scheduled(out)
+    assert low[1].status is SequenceStatus.RUNNING
+
+
+def test_worse_prefill_chunks_leave_the_budget_to_a_better_waiting_sequence():
+    sched, _ = make(scheduling_policy="priority")
+    short, long = seq(0, 3, 1), seq(1, 40, 1)
+    sched.add(short)
+    sched.add(long)
+    assert scheduled(sched.schedule()) == [(0, 3), (1, 13)]
+    short.token_ids.append(0)
+    short.num_computed_tokens, long.num_computed_tokens = 3, 13
+    high = seq(2, 20, 0)
+    sched.add(high)
+    out = sched.schedule()  # short decodes; long's next chunk waits; high gets the rest
+    assert scheduled(out) == [(0, 1), (2, 15)] and not out.preempted
+    advance(out)
+    assert scheduled(sched.schedule()) == [(2, 5), (0, 1), (1, 10)]
+
+
+def test_fcfs_never_preempts_for_a_newcomer():
+    sched, _ = make(max_num_seqs=1)
+    a, b = seq(0, 2), seq(1, 2)
+    sched.add(a)
+    advance(sched.schedule())
+    sched.add(b)
+    out = sched.schedule()
+    assert scheduled(out) == [(0, 1)] and not out.preempted and sched.waiting == [b]

@@ -100,6 +100,9 @@ MALFORMED = [
     ("POST", CMPL, cmpl(suffix="tail"), 400, "suffix"),
     ("POST", CMPL, cmpl(best_of=3), 400, "best_of"),
     ("POST", CMPL, cmpl(frobnicate=True), 400, "frobnicate"),
+    # a priority needs engine.scheduling_policy = "priority"
+    ("POST", CMPL, cmpl(priority=-1), 400, "priority"),
+    ("POST", CHAT, chat(priority=2), 400, "priority"),
     # tools: "auto" needs a parser this server lacks
     ("POST", CHAT, chat(tools=[TOOL]), 400, "tool_choice"),
     ("POST", CHAT, chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}),
