@@ -17,14 +17,14 @@ from heron.server.appkeys import CONFIG, REASONING, TOKEN_TEXTS
 from heron.server.errors import bad_request, decode_body
 from heron.server.generation import Generation
 from heron.server.logprob_format import chat_logprobs, token_id_text
-from heron.server.protocol import ChatCompletionRequest
+from heron.server.protocol import ChatCompletionRequest, NamedToolChoice
 from heron.server.reasoning import ReasoningSplit, plan_thinking
 from heron.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionResponse, ChatDelta, ChatLogprobs,
                                     ChatMessageOut, FunctionDelta, ToolCallDelta,
                                     api_finish_reason, encode)
 from heron.server.sse import EventStream
-from heron.server.tools import ToolPlan, new_call_id, plan_tools
+from heron.server.tools import CallHold, ToolPlan, new_call_id, plan_tools
 from heron.server.translation_jobs import refuse_translation_model
 
 
@@ -36,10 +36,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
     choice = req.tool_choice
-    tools = plan_tools([t.function for t in req.tools or ()],
-                       choice if isinstance(choice, str) else None,
-                       choice.function.name if choice is not None and not isinstance(choice, str)
-                       else None, req.parallel_tool_calls, app[CONFIG].server.tool_call_parser,
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    tools = plan_tools([t.function for t in req.tools or ()], choice if named is None else None,
+                       named, req.parallel_tool_calls, app[CONFIG].server.tool_call_parser,
                        constrained_by(req))
     prompt_ids = chat_prompt(app, req.messages, add_generation_prompt=req.add_generation_prompt,
                              template_kwargs=req.chat_template_kwargs,
@@ -93,8 +92,8 @@ async def _stream(request: web.Request, req: ChatCompletionRequest, gen: Generat
                   tools: ToolPlan | None, thinking: bool | None) -> web.StreamResponse:
     """Content streams as it comes, and so do a named call's arguments and the thinking
     (``thinking``: as `ReasoningParser.thinking` said; None: no thinking to split off);
-    with "required" or "auto" tools, each choice's message comes whole in its last chunk,
-    when its calls can be parsed."""
+    "auto" content streams until a call starts, and the calls come whole in the choice's
+    last chunk, as do "required" ones."""
     events = EventStream(request)
     text_of = token_id_text if req.return_tokens_as_token_ids else request.app[TOKEN_TEXTS]
     bytes_of = request.app[TOKEN_TEXTS].bytes_of
@@ -105,7 +104,8 @@ async def _stream(request: web.Request, req: ChatCompletionRequest, gen: Generat
 
     token_ids = returns_token_ids(request.app, req)
     mode = tools.mode if tools is not None else "none"
-    held: dict[int, str] = {}  # "required" / "auto": choice index -> text so far
+    held: dict[int, str] = {}  # "required": choice index -> text so far
+    holds: dict[int, CallHold] = {}  # "auto": choice index -> its content and calls
     call_ids: dict[int, str] = {}  # "named": choice index -> its call's id
     splits: dict[int, ReasoningSplit] = {}  # choice index -> its thinking and its answer
 
@@ -132,7 +132,10 @@ async def _stream(request: web.Request, req: ChatCompletionRequest, gen: Generat
                 new, finish = ChatDelta(content=text) if text else ChatDelta(), None
                 if mode == "named":
                     new, finish = _named_piece(tools, call_ids, index, text, sd.finish_reason)
-                elif mode != "none":
+                elif mode == "auto":
+                    new, finish = _auto_piece(tools, holds.setdefault(index, CallHold()), text,
+                                              sd.finish_reason)
+                elif mode == "required":
                     held[index] = held.get(index, "") + text
                     new = ChatDelta()
                     if sd.finish_reason:
@@ -172,12 +175,26 @@ def _named_piece(tools: ToolPlan, call_ids: dict[int, str], index: int, text: st
     return ChatDelta(tool_calls=[piece]), _finish_reason(reason, True)
 
 
+def _auto_piece(tools: ToolPlan, hold: CallHold, text: str,
+                reason: str | None) -> tuple[ChatDelta, str | None]:
+    """The content of an "auto" answer as it comes (`CallHold`); its calls at its end."""
+    content, calls = hold.feed(text), []
+    if reason is not None:
+        rest, calls = hold.end(tools)
+        content += rest
+    return _delta(content, calls), _finish_reason(reason, bool(calls))
+
+
 def _whole(tools: ToolPlan, text: str, reason: str) -> tuple[ChatDelta, str | None]:
     content, calls = tools.parse(text)
+    return _delta(content, calls), _finish_reason(reason, bool(calls))
+
+
+def _delta(content: str | None, calls: list) -> ChatDelta:
     delta = ChatDelta(content=content) if content else ChatDelta()
     if calls:
         delta.tool_calls = [ToolCallDelta(index=i, id=c.id, type="function",
                                           function=FunctionDelta(name=c.function.name,
                                                                  arguments=c.function.arguments))
                             for i, c in enumerate(calls)]
-    return delta, _finish_reason(reason, bool(calls))
+    return delta

@@ -25,6 +25,7 @@ from __future__ import annotations
 from heron.core.config import ConfigError
 from heron.core.sampling_params import ReasoningGate, SamplingParams
 from heron.core.tokenizer import Tokenizer
+from heron.server.markers import marker_prefix
 
 __all__ = ["PARSERS", "ReasoningParser", "ReasoningSplit", "plan_thinking", "reasoning_parser"]
 
@@ -130,14 +131,6 @@ class ReasoningSplit:
         if end >= 0:
             self._thinking = False
             return text[:end], text[end + len(END):]
-        keep = 0 if final else _marker_prefix(text, END)
+        keep = 0 if final else marker_prefix(text, END)
         self._held = text[len(text) - keep:]
         return text[:len(text) - keep], ""
-
-
-def _marker_prefix(text: str, marker: str) -> int:
-    """The length of the longest proper prefix of ``marker`` that ``text`` ends with."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0

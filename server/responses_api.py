@@ -36,7 +36,7 @@ from heron.server.response_protocol import (INPUT_ITEMS, Event, FunctionCallItem
                                             ResponsesRequest, ResponseUsage, TextConfig,
                                             TextFormat)
 from heron.server.sse import EventStream
-from heron.server.tools import ToolPlan, new_call_id, plan_tools
+from heron.server.tools import CallHold, ToolPlan, new_call_id, plan_tools
 from heron.server.translation_jobs import refuse_translation_model
 
 
@@ -49,8 +49,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     fmt = req.text.format if req.text is not None else None
     formatted = fmt is not None and fmt.type != "text"
     choice = req.tool_choice
-    tools = plan_tools(req.tools, choice if isinstance(choice, str) else None,
-                       choice.name if isinstance(choice, FunctionChoice) else None,
+    named = choice.name if isinstance(choice, FunctionChoice) else None
+    tools = plan_tools(req.tools, choice if named is None else None, named,
                        req.parallel_tool_calls, app[CONFIG].server.tool_call_parser,
                        "text.format" if formatted else None)
     prompt_ids = chat_prompt(app, messages, template_kwargs=req.chat_template_kwargs,
@@ -168,7 +168,8 @@ class _Answer:
         self.split = ReasoningSplit(thinking) if thinking is not None else None
         self.mode = tools.mode if tools is not None else "none"
         self.output = OutputBuilder()
-        self.held = ""  # "required" / "auto": the answer, parsed once whole
+        self.held = ""  # "required": the answer, parsed once whole
+        self.hold = CallHold()  # "auto": the content as it comes, the calls once whole
         self.call_id = new_call_id()  # "named": the one call
 
     def feed(self, text: str, finish_reason: str | None) -> list[Event]:
@@ -181,18 +182,24 @@ class _Answer:
         elif self.mode == "named":
             if text:
                 events += self.output.call(self.call_id, self.tools.function, text)
+        elif self.mode == "auto":
+            events += self.output.message(self.hold.feed(text))
         else:
             self.held += text
         if finish_reason is None:
             return events
+        calls = []
         if self.mode == "named" and not any(isinstance(item, OutputFunctionCall)
                                             for item in self.output.items):
             events += self.output.call(self.call_id, self.tools.function, "")  # no arguments
-        elif self.mode not in ("none", "named"):
+        elif self.mode == "auto":
+            rest, calls = self.hold.end(self.tools)
+            events += self.output.message(rest)
+        elif self.mode == "required":
             content, calls = self.tools.parse(self.held)
             events += self.output.message(content or "")
-            for call in calls:
-                events += self.output.call(call.id, call.function.name, call.function.arguments)
+        for call in calls:
+            events += self.output.call(call.id, call.function.name, call.function.arguments)
         return events + self.output.close("incomplete" if finish_reason == "length"
                                           else "completed")
 

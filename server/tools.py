@@ -23,10 +23,12 @@ import uuid
 
 from heron.core.sampling_params import StructuredOutput
 from heron.server.errors import bad_request
+from heron.server.markers import marker_prefix
 from heron.server.responses import ToolCall, ToolCallFunction
 
-__all__ = ["ToolPlan", "new_call_id", "plan_tools"]
+__all__ = ["CallHold", "ToolPlan", "new_call_id", "plan_tools"]
 
+_CALL = "<tool_call>"
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -84,7 +86,42 @@ class ToolPlan:
             return text, []
         if not calls:
             return text, []
-        return text[:text.index("<tool_call>")].strip() or None, calls
+        return text[:text.index(_CALL)].rstrip() or None, calls
+
+
+class CallHold:
+    """An "auto" answer in a stream: its content goes out as it comes until the model
+    starts a call (``<tool_call>``); the rest is held, for `end` to parse whole. Whitespace
+    and what may be the start of the marker wait for the next piece, since `ToolPlan.parse`
+    drops the whitespace before a call: the content sent is the content `parse` finds."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._sent = 0  # text[:_sent] went out as content
+        self._calling = False
+
+    def feed(self, piece: str) -> str:
+        """The content to send now, of ``piece`` and what was held."""
+        self.text += piece
+        if self._calling:
+            return ""
+        at = self.text.find(_CALL, self._sent)
+        if at >= 0:
+            self._calling = True
+            end = len(self.text[:at].rstrip())
+        else:
+            end = len(self.text[:len(self.text) - marker_prefix(self.text, _CALL)].rstrip())
+        out = self.text[self._sent:max(end, self._sent)]
+        self._sent += len(out)
+        return out
+
+    def end(self, plan: ToolPlan) -> tuple[str, list[ToolCall]]:
+        """Once the output ended: the content left to send, and the calls."""
+        _, calls = plan.parse(self.text)
+        if calls:
+            return "", calls
+        rest, self._sent = self.text[self._sent:], len(self.text)
+        return rest, []
 
 
 def _dumps(arguments) -> str:

@@ -174,6 +174,12 @@ def test_function_calls_whole_and_streamed(plain):
                                          parallel_tool_calls=False, max_output_tokens=200,
                                          stream=True))
     assert final.output[0].arguments == out.output[0].arguments
+    # "auto": this model writes no call, so its text is the message, streamed as it comes
+    out = respond(plain, tools=TOOLS)
+    assert [item.type for item in out.output] == ["message"] and out.output_text
+    types, texts, final = replay(respond(plain, tools=TOOLS, stream=True))
+    assert types.count("response.output_text.delta") > 1
+    assert list(texts.values()) == [out.output_text] == [final.output_text]
 
 
 @pytest.mark.parametrize("body, param", [

@@ -5,13 +5,14 @@ the prompt, `jsonschema` for the calls' arguments."""
 from __future__ import annotations
 
 import json
+import random
 
 import jsonschema
 import pytest
 from transformers import PreTrainedTokenizerFast
 
 from heron.core.engine import Engine
-from heron.server.tools import ToolPlan
+from heron.server.tools import CallHold, ToolPlan
 from tests.server_utils import ServerThread, server_config
 from tests.tiny_models import build_tiny
 
@@ -128,11 +129,46 @@ def test_auto_and_none(client, model_dir):
     assert auto.usage.prompt_tokens == oracle_prompt_tokens(model_dir, ASK, TOOLS)
     assert auto.choices[0].message.tool_calls == [] and auto.choices[0].message.content
     assert auto.choices[0].finish_reason in ("stop", "length")
+    pieces = [c.choices[0].delta.content for c in chat(client, max_tokens=12, stream=True)
+              if c.choices and c.choices[0].delta.content]
+    assert len(pieces) > 1 and "".join(pieces) == auto.choices[0].message.content  # as it comes
     none = chat(client, tool_choice="none", max_tokens=12)
     assert none.usage.prompt_tokens == oracle_prompt_tokens(model_dir, ASK, None)
     streamed = "".join(c.choices[0].delta.content or "" for c in chat(
         client, tool_choice="none", max_tokens=12, stream=True) if c.choices)
     assert streamed == none.choices[0].message.content
+
+
+HERMES_TEXTS = [
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": 2}}\n</tool_call>',
+    'Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Nice", '
+    '"unit": "c"}}</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": 1}}'
+    '</tool_call>',
+    "It is sunny.  \n",
+    "A <tool is no call <tool_cal",
+    ' \n<tool_call>{"name": "get_time", "arguments": {"zone": ',  # cut short
+]
+
+
+def test_auto_streams_the_content_that_the_whole_answer_has():
+    """Any split of the text into pieces: the content sent is the parser's, or the whole
+    text when no call parses, and the calls come at the end."""
+    rng = random.Random(0)
+    plan = ToolPlan("auto", TOOLS)
+    for text in HERMES_TEXTS:
+        content, calls = plan.parse(text)
+        for _ in range(40):
+            cuts = sorted(rng.sample(range(len(text) + 1), rng.randint(0, 8)))
+            hold, sent = CallHold(), ""
+            for a, b in zip([0, *cuts], [*cuts, len(text)]):
+                sent += hold.feed(text[a:b])
+            rest, got = hold.end(plan)
+            assert sent + rest == ((content or "") if calls else text), (text, cuts)
+            assert [(c.function.name, c.function.arguments) for c in got] == [
+                (c.function.name, c.function.arguments) for c in calls]
+    hold = CallHold()
+    assert hold.feed("Let me check.\n<tool") == "Let me check."
+    assert hold.feed("_call>{") == "" and hold.feed("}") == ""
 
 
 @pytest.mark.parametrize("text, content, calls", [
