@@ -18,10 +18,11 @@ from heron.server.errors import bad_request, decode_body
 from heron.server.generation import Generation
 from heron.server.logprob_format import chat_logprobs, token_id_text
 from heron.server.protocol import ChatCompletionRequest, NamedToolChoice
-from heron.server.reasoning import ReasoningSplit, plan_thinking
+from heron.server.reasoning import ReasoningParser, ReasoningSplit, plan_thinking
 from heron.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionResponse, ChatDelta, ChatLogprobs,
-                                    ChatMessageOut, FunctionDelta, ToolCallDelta,
+                                    ChatMessageOut, CompletionTokensDetails, FunctionDelta,
+                                    ToolCallDelta, Usage,
                                     api_finish_reason, encode)
 from heron.server.sse import EventStream
 from heron.server.tools import CallHold, ToolPlan, new_call_id, plan_tools
@@ -77,9 +78,19 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                 stop_reason=c.stop_reason,
                 token_ids=c.token_ids if ids else UNSET))
         body = ChatCompletionResponse(id=gen.id, created=gen.created, model=gen.model,
-                                      choices=choices, usage=gen.usage(),
+                                      choices=choices, usage=_usage(gen, reasoning, thinking),
                                       prompt_token_ids=prompt_ids if ids else UNSET)
         return web.Response(body=encode(body), content_type="application/json")
+
+
+def _usage(gen: Generation, parser: ReasoningParser | None, thinking: bool | None) -> Usage:
+    """The usage, with the thinking's tokens when the server has a reasoning parser."""
+    usage = gen.usage()
+    if parser is not None:
+        usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=sum(
+            parser.thinking_tokens(c.token_ids, thinking) for c in gen.choices.values())
+            if thinking is not None else 0)
+    return usage
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:
@@ -154,7 +165,7 @@ async def _stream(request: web.Request, req: ChatCompletionRequest, gen: Generat
         if req.stream_options is None or not req.stream_options.include_usage:
             return None
         final = chunk([])
-        final.usage = gen.usage()
+        final.usage = _usage(gen, request.app[REASONING], thinking)
         return final
 
     return await events.run(produce)

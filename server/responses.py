@@ -16,11 +16,18 @@ class PromptTokensDetails(_Out, kw_only=True):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(_Out, kw_only=True):
+    reasoning_tokens: int = 0
+
+
 class Usage(_Out, kw_only=True):
+    """``completion_tokens_details``: in chat answers of a reasoning model."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET
 
 
 # -- /v1/completions ---------------------------------------------------------------------

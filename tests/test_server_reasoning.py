@@ -138,10 +138,14 @@ def test_the_thinking_and_the_answer_split_where_the_model_ends_its_thinking(r1,
     assert marker and reasoning and content and not reasoning.lstrip().startswith("<think>")
     out = chat(r1, oracle, OPEN)
     assert out.usage.prompt_tokens == len(prompt)
+    thinking_tokens = oracle.greedy(prompt, oracle.bias).index(oracle.end) + 1
+    assert out.usage.completion_tokens_details.reasoning_tokens == thinking_tokens
     message = out.choices[0].message
     assert (message.reasoning, message.content) == (reasoning, content)
-    s_reasoning, s_content, order = streamed(chat(r1, oracle, OPEN, stream=True))
+    chunks = list(chat(r1, oracle, OPEN, stream=True, stream_options={"include_usage": True}))
+    s_reasoning, s_content, order = streamed(chunks)
     assert (s_reasoning, s_content) == (reasoning, content)
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == thinking_tokens
     assert order.index("content") > max(i for i, k in enumerate(order) if k == "reasoning")
 
 
@@ -150,6 +154,7 @@ def test_a_prompt_that_closes_the_thinking_gets_all_content(r1, oracle):
     text = oracle.text(prompt)
     out = chat(r1, oracle, OFF)
     assert out.usage.prompt_tokens == len(prompt)
+    assert out.usage.completion_tokens_details.reasoning_tokens == 0
     assert (out.choices[0].message.reasoning, out.choices[0].message.content) == (None, text)
     assert streamed(chat(r1, oracle, OFF, stream=True))[:2] == ("", text)
 
