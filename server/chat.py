@@ -88,8 +88,7 @@ def _usage(gen: Generation, parser: ReasoningParser | None, thinking: bool | Non
     usage = gen.usage()
     if parser is not None:
         usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=sum(
-            parser.thinking_tokens(c.token_ids, thinking) for c in gen.choices.values())
-            if thinking is not None else 0)
+            parser.thinking_tokens(c.token_ids, thinking) for c in gen.choices.values()))
     return usage
 
 

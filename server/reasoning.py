@@ -85,9 +85,10 @@ class ReasoningParser:
                 break
         return PARSERS[self.name]
 
-    def thinking_tokens(self, token_ids: list[int], opened: bool) -> int:
-        """How many of an output's tokens are its thinking, markers included."""
-        if not token_ids or not (opened or token_ids[0] == self.start_token_id):
+    def thinking_tokens(self, token_ids: list[int], opened: bool | None) -> int:
+        """How many of an output's tokens are its thinking, markers included (``opened``:
+        as `thinking` said of its prompt)."""
+        if opened is None or not token_ids or not (opened or token_ids[0] == self.start_token_id):
             return 0
         if self.end_token_id in token_ids:
             return token_ids.index(self.end_token_id) + 1

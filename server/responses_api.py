@@ -211,8 +211,7 @@ class _Answer:
 
     def _usage(self, c: Choice) -> ResponseUsage:
         usage = self.gen.usage()
-        thinking = (self.parser.thinking_tokens(c.token_ids, self.thinking)
-                    if self.thinking is not None else 0)
+        thinking = self.parser.thinking_tokens(c.token_ids, self.thinking) if self.parser else 0
         return ResponseUsage(
             input_tokens=usage.prompt_tokens,
             input_tokens_details=InputTokensDetails(
