@@ -77,12 +77,14 @@ class ResponsesRequest(SamplingFields, kw_only=True):
     previous_response_id: str | None = None
     background: bool | None = None
     max_tool_calls: int | None = None
+    top_logprobs: int | None = None
 
     def unsupported_field(self) -> str | None:
         refused = (
             ("previous_response_id", self.previous_response_id is not None),  # none are kept
             ("background", bool(self.background)),
             ("max_tool_calls", self.max_tool_calls is not None),
+            ("top_logprobs", bool(self.top_logprobs)),
             ("truncation", self.truncation == "auto"),  # never cut: a 400 when it does not fit
             ("include", any(name != "reasoning.encrypted_content" for name in self.include or ())),
             ("response_format", self.response_format is not None),  # chat's: here text.format

@@ -187,6 +187,7 @@ def test_function_calls_whole_and_streamed(plain):
     ({"truncation": "auto"}, "truncation"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"n": 2}, "n"),
+    ({"top_logprobs": 3}, "top_logprobs"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"input": []}, "input"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
