@@ -29,6 +29,10 @@ class AdapterPool:
     def refcount(self, key: str) -> int:
         return self._refs.get(key, 0)
 
+    def can_acquire(self, key: str) -> bool:
+        """Whether `acquire` would give ``key`` a slot now."""
+        return key in self._slot_of or bool(self._free or self._unreferenced)
+
     def acquire(self, key: str) -> tuple[int, bool] | None:
         """A reference on adapter ``key``'s slot: ``(slot, needs_load)``, or None when every
         slot is held by referenced adapters."""

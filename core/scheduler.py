@@ -7,10 +7,10 @@ sequences are brought back, then waiting sequences are admitted, in rank order, 
 budget, the sequence limit and the blocks allow. An admitted sequence starts after the
 longest prefix the prefix cache holds for it.
 
-A waiting sequence of a better priority than running ones does not wait for them: at the
-start of a step, running sequences of a worse priority are preempted (the worst first)
-while it has no seat or no blocks for its first chunk, and they do not run prefill chunks
-in a step it waits in, which leaves it the budget.
+A waiting (or swapped) sequence of a better priority than running ones does not wait for
+them: at the start of a step, running sequences of a worse priority are preempted (the
+worst first) while it has no seat, adapter slot or blocks for its next chunk, and once it
+has them they run no prefill chunk in that step, which leaves it the budget.
 
 Beam search (``num_beams > 1``) runs a request's beams as a gang: admitting it reserves a
 seat for every beam (its forks never wait for one), and preempting one of its sequences
@@ -328,13 +328,15 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self._make_room(out)
         made_room = len(out.preempted)
-        waiting = self.waiting[0].params.priority if self.waiting else None
+        head = self._next_in()
+        # the priority below which prefill chunks wait: the next to come in's, when it can
+        better = head.params.priority if head is not None and self._admissible(head) else None
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.seq_id in hold:
                 continue  # (not running: preempted earlier in this loop)
-            if (waiting is not None and waiting < seq.params.priority
+            if (better is not None and better < seq.params.priority
                     and seq.num_uncomputed_tokens > 1):
-                continue  # a prefill chunk: the budget goes to the better waiting sequence
+                continue  # a prefill chunk: the budget goes to the better sequence
             if budget == 0 and not self._encoder_left(seq):
                 if not self.encoder_stages:
                     break  # nothing else runs without budget
@@ -362,15 +364,24 @@ class Scheduler:
         self._admit(out, budget)
         return out
 
+    def _next_in(self) -> Sequence | None:
+        """The sequence to bring in next: the best ranked swapped or waiting one."""
+        return min((q[0] for q in (self.swapped, self.waiting) if q), key=_rank, default=None)
+
+    def _admissible(self, seq: Sequence) -> bool:
+        """Whether ``seq`` (swapped or waiting) finds a seat, its adapter's slot and the
+        blocks of its next chunk now."""
+        adapter = seq.namespace.adapter
+        if adapter and seq.lora_slot is None and not self.adapter_pool.can_acquire(adapter):
+            return False
+        chunk = min(seq.num_uncomputed_tokens, self.max_num_batched_tokens)
+        return self._has_seat(seq) and self._can_allocate(self._blocks_needed(seq, chunk))
+
     def _make_room(self, out: SchedulerOutput) -> None:
-        """Preempt running sequences of a worse priority than the first waiting one while
-        it has no seat, or no blocks for its first chunk."""
-        while self.waiting and self.running:
-            head = self.waiting[0]
-            if head.params.priority >= self.running[-1].params.priority:
-                return
-            chunk = min(head.num_uncomputed_tokens, self.max_num_batched_tokens)
-            if self._has_seat(head) and self._can_allocate(self._blocks_needed(head, chunk)):
+        """Preempt running sequences of a worse priority than the next to come in while it
+        is not admissible."""
+        while self.running and (head := self._next_in()) is not None:
+            if head.params.priority >= self.running[-1].params.priority or self._admissible(head):
                 return
             self._preempt_last(out)
 

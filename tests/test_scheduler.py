@@ -3,6 +3,7 @@ accounting."""
 
 from __future__ import annotations
 
+from heron.core.adapter_pool import AdapterPool
 from heron.core.block_pool import BlockPool
 from heron.core.config import EngineConfig
 from heron.core.prefix_cache import Namespace, PrefixCache
@@ -234,3 +235,18 @@ def test_fcfs_never_preempts_for_a_newcomer():
     sched.add(b)
     out = sched.schedule()
     assert scheduled(out) == [(0, 1)] and not out.preempted and sched.waiting == [b]
+
+
+def test_a_better_priority_waiting_for_an_adapter_slot_gets_one():
+    """The one adapter slot is held by a worse request still in its prefill: it is
+    preempted (a stalled prefill would never free the slot), and the better one runs."""
+    cfg = EngineConfig(block_size=4, max_num_batched_tokens=16, scheduling_policy="priority")
+    sched = Scheduler(cfg, BlockPool(100), adapter_pool=AdapterPool(1))
+    low = Sequence(0, "r0", list(range(40)), SamplingParams(priority=1), 0, Namespace("a"))
+    high = Sequence(1, "r1", list(range(8)), SamplingParams(priority=0), 1, Namespace("b"))
+    sched.add(low)
+    advance(sched.schedule())  # low's first chunk: it holds the slot, mid-prefill
+    sched.add(high)
+    out = sched.schedule()
+    assert out.preempted == [low] and scheduled(out) == [(1, 8)]
+    assert out.adapter_loads == [("b", 0)]
