@@ -328,9 +328,13 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self._make_room(out)
         made_room = len(out.preempted)
-        head = self._next_in()
-        # the priority below which prefill chunks wait: the next to come in's, when it can
-        better = head.params.priority if head is not None and self._admissible(head) else None
+        # the priority below which prefill chunks wait: that of the next to come in, when it
+        # outranks a running sequence and can come in
+        head, better = self._next_in(), None
+        if (head is not None and self.running
+                and head.params.priority < self.running[-1].params.priority
+                and self._admissible(head)):
+            better = head.params.priority
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.seq_id in hold:
                 continue  # (not running: preempted earlier in this loop)
