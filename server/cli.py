@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
                        description="Serve MODEL over an OpenAI-compatible HTTP API "
-                       "(/v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
+                       "(/v1/completions, /v1/chat/completions, /v1/responses, /v1/models, "
+                       "/v1/translations for translation models, /tokenize, "
                        "/detokenize, /health, /metrics, /openapi.json).")
     _add_config_args(p)
     p.add_argument("--host", help="address to listen on (server.host; default 127.0.0.1)")

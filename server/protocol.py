@@ -63,7 +63,7 @@ class StructuredOutputs(_Body, kw_only=True):
 
 
 class SamplingFields(_Body, kw_only=True):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions, /v1/chat/completions and /v1/responses."""
 
     model: str | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
