@@ -153,3 +153,16 @@ def test_named_tool_call(client):
     jsonschema.validate(arguments, tool["function"]["parameters"])
     assert choice.finish_reason == "tool_calls" and call.function.name == "lookup_capital"
     assert arguments["country"].lower() == "france"
+
+
+def test_responses_api_answers_as_chat_does(client):
+    """The same question through /v1/responses: the answer and its usage are chat's."""
+    chat = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1",
+                                          messages=QUESTION, temperature=0.0, max_tokens=32)
+    out = client.responses.create(model="SmolLM2-135M-Instruct.Q4_1",
+                                  input="What is the capital of France?", temperature=0.0,
+                                  max_output_tokens=32)
+    assert out.status == "completed" and "Paris" in out.output_text
+    assert out.output_text == chat.choices[0].message.content
+    assert (out.usage.input_tokens, out.usage.output_tokens) == (
+        chat.usage.prompt_tokens, chat.usage.completion_tokens)
