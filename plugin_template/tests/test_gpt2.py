@@ -38,7 +38,10 @@ def test_config_reads_gpt2_fields_and_refuses_what_it_cannot_serve():
 
 def test_gelu_matches_transformers_gelu_new():
     x = torch.linspace(-8, 8, 10_001)
-    assert (gelu_tanh_ref(x) - NewGELUActivation()(x)).abs().max() <= 1e-6
+    # transformers' formula in float64: in float32, torch.tanh now and then takes a path
+    # 1.7e-4 off near saturation (seen in about one run in ten), which F.gelu does not
+    oracle = NewGELUActivation()(x.double())
+    assert (gelu_tanh_ref(x).double() - oracle).abs().max() <= 1e-6
     assert torch.equal(gelu_tanh(x), gelu_tanh_ref(x))  # the CPU path is the reference
 
 
