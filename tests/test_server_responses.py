@@ -207,3 +207,23 @@ def test_bad_requests_name_the_field(plain, body, param):
                                 {"model": "tiny", "input": "hi", **body})
     error = json.loads(raw)["error"]
     assert status == 400 and error["param"] == param, error
+
+
+def test_an_answer_goes_back_as_input_the_way_agents_loop(r1, oracle):
+    """The output items of one response, sent back as they came with the call's output:
+    the next prompt is what transformers renders of that conversation."""
+    named = {"type": "function", "name": "add"}
+    first = respond(r1, tools=TOOLS, tool_choice=named, max_output_tokens=200,
+                    **biased(oracle, OPEN))
+    thought, call = first.output
+    assert (thought.type, call.type) == ("reasoning", "function_call")
+    items = [{"role": "user", "content": "What is 2 + 2?"}, *first.output,
+             {"type": "function_call_output", "call_id": call.call_id, "output": "4"}]
+    out = respond(r1, input=items, tools=TOOLS, tool_choice=named, max_output_tokens=1,
+                  extra_body={"chat_template_kwargs": OPEN})
+    chat = [*ASK, {"role": "assistant", "content": "",
+                   "reasoning_content": thought.content[0].text,
+                   "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+                       "name": "add", "arguments": json.loads(call.arguments)}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "4"}]
+    assert out.usage.input_tokens == len(oracle.prompt(chat, OPEN, tools=[TOOL]))
