@@ -27,11 +27,9 @@ from heron.core.sampling_params import ReasoningGate, SamplingParams
 from heron.core.tokenizer import Tokenizer
 from heron.server.markers import marker_prefix
 
-__all__ = ["PARSERS", "ReasoningParser", "ReasoningSplit", "plan_thinking", "reasoning_parser"]
+__all__ = ["ReasoningParser", "ReasoningSplit", "plan_thinking", "reasoning_parser"]
 
 START, END = "<think>", "</think>"
-#: parser name -> whether an output starts in its thinking when its prompt does not say
-PARSERS = {"deepseek_r1": True, "qwen3": False}
 _TAIL = 4  # whitespace tokens a prompt may end with after its marker
 
 
@@ -66,9 +64,9 @@ class ReasoningParser:
                    if i is None or tokenizer.decode([i]) != marker]
         if lacking:
             raise ConfigError(f"server.reasoning_parser {name!r} needs {START} and {END} as "
-                             "tokens that decode to their text; this model's tokenizer "
-                             f"{'lacks' if None in ids.values() else 'drops'} "
-                             f"{' and '.join(lacking)}")
+                              "tokens that decode to their text; this model's tokenizer "
+                              f"{'lacks' if None in ids.values() else 'drops'} "
+                              f"{' and '.join(lacking)}")
         self.name = name
         self._tokenizer = tokenizer
         self.start_token_id, self.end_token_id = ids[START], ids[END]
@@ -83,7 +81,7 @@ class ReasoningParser:
                 return None
             if self._tokenizer.decode([token], skip_special_tokens=False).strip():
                 break
-        return PARSERS[self.name]
+        return self.name == "deepseek_r1"  # its first templates left <think> to the model
 
     def thinking_tokens(self, token_ids: list[int], opened: bool | None) -> int:
         """How many of an output's tokens are its thinking, markers included (``opened``:
