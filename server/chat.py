@@ -64,8 +64,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         ids = returns_token_ids(app, req)
         choices = []
         for c in sorted(gen.choices.values(), key=lambda c: c.index):
-            thought, text = (ReasoningSplit(thinking).feed(c.text, final=True)
-                             if thinking is not None else ("", c.text))
+            thought, text = ReasoningSplit(thinking).feed(c.text, final=True)
             content, calls = tools.parse(text) if tools else (text, [])
             message = ChatMessageOut(content=content, tool_calls=calls)
             if reasoning is not None:  # as vLLM: no empty strings beside the thinking
@@ -135,10 +134,8 @@ async def _stream(request: web.Request, req: ChatCompletionRequest, gen: Generat
                                                                bytes_of))
                             if req.logprobs and sd.token_ids else None)
                 index = gen.choices[(p, sd.index)].index
-                thought, text = "", sd.text
-                if thinking is not None:
-                    thought, text = splits.setdefault(index, ReasoningSplit(thinking)).feed(
-                        sd.text, final=sd.finish_reason is not None)
+                thought, text = splits.setdefault(index, ReasoningSplit(thinking)).feed(
+                    sd.text, final=sd.finish_reason is not None)
                 new, finish = ChatDelta(content=text) if text else ChatDelta(), None
                 if mode == "named":
                     new, finish = _named_piece(tools, call_ids, index, text, sd.finish_reason)

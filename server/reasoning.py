@@ -105,11 +105,13 @@ class ReasoningSplit:
 
     ``opened``: the output starts in its thinking (`ReasoningParser.thinking`). A leading
     ``<think>`` (whitespace aside) opens it, or repeats the prompt's; it is not reasoning.
+    None: there is no thinking to split off (no parser, or the prompt turned it off): the
+    text is all content.
     """
 
-    def __init__(self, opened: bool) -> None:
-        self._thinking = opened
-        self._head = True  # nothing but whitespace yet: a <think> may still come
+    def __init__(self, opened: bool | None) -> None:
+        self._thinking = bool(opened)
+        self._head = opened is not None  # nothing but whitespace yet: a <think> may come
         self._held = ""
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:

@@ -247,84 +247,89 @@ class Event(_Out, kw_only=True, tag_field="type"):
     sequence_number: int = 0  # set as the event is sent
 
 
-class ResponseCreated(Event, kw_only=True, tag="response.created"):
+class _ResponseEvent(Event, kw_only=True):
     response: Response
 
 
-class ResponseInProgress(Event, kw_only=True, tag="response.in_progress"):
-    response: Response
+class ResponseCreated(_ResponseEvent, tag="response.created"):
+    pass
 
 
-class ResponseCompleted(Event, kw_only=True, tag="response.completed"):
-    response: Response
+class ResponseInProgress(_ResponseEvent, tag="response.in_progress"):
+    pass
 
 
-class ResponseIncomplete(Event, kw_only=True, tag="response.incomplete"):
-    response: Response
+class ResponseCompleted(_ResponseEvent, tag="response.completed"):
+    pass
 
 
-class OutputItemAdded(Event, kw_only=True, tag="response.output_item.added"):
+class ResponseIncomplete(_ResponseEvent, tag="response.incomplete"):
+    pass
+
+
+class _ItemEvent(Event, kw_only=True):
     output_index: int
     item: OutputItem
 
 
-class OutputItemDone(Event, kw_only=True, tag="response.output_item.done"):
-    output_index: int
-    item: OutputItem
+class OutputItemAdded(_ItemEvent, tag="response.output_item.added"):
+    pass
 
 
-class ContentPartAdded(Event, kw_only=True, tag="response.content_part.added"):
+class OutputItemDone(_ItemEvent, tag="response.output_item.done"):
+    pass
+
+
+class _InItem(Event, kw_only=True):
+    """An event about a part of one output item."""
+
     item_id: str
     output_index: int
+
+
+class _PartEvent(_InItem, kw_only=True):
     content_index: int = 0
     part: OutputText | ReasoningText
 
 
-class ContentPartDone(Event, kw_only=True, tag="response.content_part.done"):
-    item_id: str
-    output_index: int
-    content_index: int = 0
-    part: OutputText | ReasoningText
+class ContentPartAdded(_PartEvent, tag="response.content_part.added"):
+    pass
 
 
-class OutputTextDelta(Event, kw_only=True, tag="response.output_text.delta"):
-    item_id: str
-    output_index: int
-    content_index: int = 0
-    delta: str
-    logprobs: list[Any] = []
+class ContentPartDone(_PartEvent, tag="response.content_part.done"):
+    pass
 
 
-class OutputTextDone(Event, kw_only=True, tag="response.output_text.done"):
-    item_id: str
-    output_index: int
-    content_index: int = 0
-    text: str
-    logprobs: list[Any] = []
-
-
-class ReasoningTextDelta(Event, kw_only=True, tag="response.reasoning_text.delta"):
-    item_id: str
-    output_index: int
+class _TextDelta(_InItem, kw_only=True):
     content_index: int = 0
     delta: str
 
 
-class ReasoningTextDone(Event, kw_only=True, tag="response.reasoning_text.done"):
-    item_id: str
-    output_index: int
+class _TextDone(_InItem, kw_only=True):
     content_index: int = 0
     text: str
 
 
-class ArgumentsDelta(Event, kw_only=True, tag="response.function_call_arguments.delta"):
-    item_id: str
-    output_index: int
+class OutputTextDelta(_TextDelta, kw_only=True, tag="response.output_text.delta"):
+    logprobs: list[Any] = []
+
+
+class OutputTextDone(_TextDone, kw_only=True, tag="response.output_text.done"):
+    logprobs: list[Any] = []
+
+
+class ReasoningTextDelta(_TextDelta, tag="response.reasoning_text.delta"):
+    pass
+
+
+class ReasoningTextDone(_TextDone, tag="response.reasoning_text.done"):
+    pass
+
+
+class ArgumentsDelta(_InItem, kw_only=True, tag="response.function_call_arguments.delta"):
     delta: str
 
 
-class ArgumentsDone(Event, kw_only=True, tag="response.function_call_arguments.done"):
-    item_id: str
-    output_index: int
+class ArgumentsDone(_InItem, kw_only=True, tag="response.function_call_arguments.done"):
     name: str
     arguments: str

@@ -165,7 +165,7 @@ class _Answer:
                  parser: ReasoningParser | None, thinking: bool | None) -> None:
         self.req, self.gen, self.tools = req, gen, tools
         self.parser, self.thinking = parser, thinking
-        self.split = ReasoningSplit(thinking) if thinking is not None else None
+        self.split = ReasoningSplit(thinking)
         self.mode = tools.mode if tools is not None else "none"
         self.output = OutputBuilder()
         self.held = ""  # "required": the answer, parsed once whole
@@ -174,8 +174,7 @@ class _Answer:
 
     def feed(self, text: str, finish_reason: str | None) -> list[Event]:
         """The events of the output's next ``text``; the last piece has its finish reason."""
-        thought, text = (self.split.feed(text, final=finish_reason is not None)
-                         if self.split is not None else ("", text))
+        thought, text = self.split.feed(text, final=finish_reason is not None)
         events = self.output.reasoning(thought)
         if self.mode == "none":
             events += self.output.message(text)

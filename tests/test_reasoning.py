@@ -58,6 +58,12 @@ def test_a_streamed_split_is_the_whole_texts_split(opened):
             assert (reasoning, content) == oracle(text, opened), (text, chunks)
 
 
+def test_without_thinking_every_piece_is_content_at_once():
+    split = ReasoningSplit(None)
+    for piece in ["<think>", "a</th", "ink> b", " "]:
+        assert split.feed(piece) == ("", piece)
+
+
 def test_text_that_may_start_a_marker_waits_for_the_next_piece():
     split = ReasoningSplit(True)
     assert split.feed("2 + 2 = 4</th") == ("2 + 2 = 4", "")
