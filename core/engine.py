@@ -262,9 +262,8 @@ class Engine:
         elsewhere); compiled here when None.
         """
         params = params or SamplingParams()
-        params.validate(self.runner.info.vocab_size)
-        if params.priority and self.config.engine.scheduling_policy != "priority":
-            raise ValueError("priority needs engine.scheduling_policy = \"priority\"")
+        params.validate(self.runner.info.vocab_size,
+                        priorities=self.config.engine.scheduling_policy == "priority")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         adapter_key = ""

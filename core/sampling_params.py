@@ -101,9 +101,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     speculative: bool = True  # False: never draft for this request (`heron.core.speculative`)
     priority: int = 0  # lower runs first (`heron.core.scheduler`); scheduling_policy "priority"
 
-    def validate(self, vocab_size: int | None = None) -> None:
+    def validate(self, vocab_size: int | None = None, priorities: bool = True) -> None:
         """Raise ValueError naming the first field out of range (``logit_bias`` ids must lie
-        below ``vocab_size`` when it is given)."""
+        below ``vocab_size`` when it is given; ``priority`` must be 0 unless ``priorities``,
+        the engine's ``scheduling_policy = "priority"``)."""
         checks = (
             ("n", self.n >= 1),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1),
@@ -131,6 +132,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                              f"(token ids {ids}, biases in [-100, 100])")
         if self.structured_outputs is not None:
             self.structured_outputs.validate(vocab_size)
+        if self.priority and not priorities:
+            raise ValueError('priority needs engine.scheduling_policy = "priority" (this '
+                             "engine runs requests first come, first served)")
         if self.num_beams < 1:
             raise ValueError(f"num_beams is out of range: {self.num_beams!r}")
         if self.early_stopping not in (True, False, "never"):

@@ -226,11 +226,8 @@ def sampling_params(app: web.Application, req: SamplingFields, *, max_tokens: in
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens, speculative=req.speculative,
         priority=req.priority, **beam_fields(req))
-    if req.priority and app[CONFIG].engine.scheduling_policy != "priority":
-        raise bad_request("`priority` needs a server with engine.scheduling_policy = "
-                          '"priority" (this one runs requests first come, first served)',
-                          param="priority")
-    return validated(params, app[ASYNC_ENGINE].engine.runner.info.vocab_size)
+    return validated(params, app[ASYNC_ENGINE].engine.runner.info.vocab_size,
+                     priorities=app[CONFIG].engine.scheduling_policy == "priority")
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
@@ -278,10 +275,11 @@ def _structured(req: SamplingFields) -> StructuredOutput | None:
                             regex=vllm.regex, choice=vllm.choice, grammar=vllm.grammar)
 
 
-def validated(params: SamplingParams, vocab_size: int | None = None) -> SamplingParams:
+def validated(params: SamplingParams, vocab_size: int | None = None,
+              priorities: bool = True) -> SamplingParams:
     """``params``, or a 400 naming the field `SamplingParams.validate` refused."""
     try:
-        params.validate(vocab_size)
+        params.validate(vocab_size, priorities)
     except ValueError as e:  # "<field> is out of range: ..."
         raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from None
     return params
