@@ -24,6 +24,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from heron.core.engine import Engine
 from heron.core.logprobs import TokenLogprobs
 from heron.core.outputs import RequestOutput
@@ -81,6 +83,7 @@ class RequestDelta:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
     time_s: float = 0.0  # time.monotonic() when the step ended
+    embedding: torch.Tensor | None = None  # an embedding model's vector, in the last delta
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +171,7 @@ class _DeltaCopier:
         if out.finished:
             self.forget(out.request_id)
         return RequestDelta(out.request_id, seqs, out.finished, prompt_logprobs,
-                            out.num_cached_tokens, now)
+                            out.num_cached_tokens, now, out.embedding)
 
     def stopped(self, out: RequestOutput, reason: str, error: str | None) -> RequestDelta:
         """The last delta of a request stopped outside a step (abort, engine fault, shutdown).

@@ -13,9 +13,11 @@ from heron.core.scheduler import ScheduledSeq
 class BatchBuilder:
     """Builds host tensors for one step and moves them to the model's device in one go."""
 
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, device: torch.device, logits: bool = True) -> None:
+        """``logits`` False: batches name no rows for logits (an embedding model's)."""
         self.block_size = block_size
         self.device = device
+        self.logits = logits
 
     def build(self, scheduled: list[ScheduledSeq], prompt_logprob_seqs: set[int],
               sampled: torch.Tensor | None = None) -> Batch:
@@ -46,7 +48,7 @@ class BatchBuilder:
                 # rows predicting prompt tokens start..end-1 → the next prompt token
                 last = min(end, seq.num_prompt_tokens - 1)
                 logits_rows += range(row0, row0 + max(0, last - start))
-            if end == len(tokens):  # its last token's row, and one per draft
+            if end == len(tokens) and self.logits:  # its last token's row, and one per draft
                 logits_rows += range(row0 + n - 1 - len(drafts), row0 + n)
         max_blocks = max(len(item.seq.block_table) for item in scheduled)
         tables = torch.tensor([item.seq.block_table + [0] * (max_blocks - len(item.seq.block_table))

@@ -58,6 +58,16 @@ class ModelConfig(_Section):
     # translation models: the language of requests that name none
     src_lang: str | None = None
     tgt_lang: str | None = None
+    # what the model serves: "generate" (text) or "embed" (one vector per input, pooled
+    # from its hidden states); auto: embed for a sentence-transformers checkpoint or a bare
+    # model without an LM head (`heron.core.pooling`)
+    task: Literal["auto", "generate", "embed"] = "auto"
+    # how an embedding pools its tokens' hidden states; auto: as the checkpoint's
+    # sentence-transformers Pooling module says, else "last"
+    pooling: Literal["auto", "last", "mean", "cls"] = "auto"
+    # L2-normalize embeddings; unset: as the checkpoint's sentence-transformers modules
+    # say (a Normalize module), else true
+    normalize: bool | None = None
 
     def _checks(self):
         return (("max_model_len", self.max_model_len is None or self.max_model_len >= 1,

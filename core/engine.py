@@ -29,6 +29,7 @@ from heron.core.lora import AdapterBusyError, AdapterError, AdapterWeights
 from heron.core.model_loader import load_model
 from heron.core.outputs import RequestOutput
 from heron.core.plugins import PluginManager
+from heron.core.pooling import Pooler, Pooling
 from heron.core.prefix_cache import Namespace, PrefixCache
 from heron.core.request import RequestState, SeqOutput
 from heron.core.logprobs import prompt_logprobs
@@ -61,6 +62,7 @@ class Engine:
         loaded = load_model(config.model, self.plugins, self.device, self.dtype)
         self.runner, self.tokenizer = loaded.runner, loaded.tokenizer
         info = self.runner.info
+        self.pooler = self._build_pooler(loaded.pooling)
         self.max_model_len = min(config.model.max_model_len or info.max_context_len,
                                  info.max_context_len)
         if (config.model.max_model_len or 0) > info.max_context_len:
@@ -85,7 +87,8 @@ class Engine:
         stateless = not spec.states
         cache_cfg = config.prefix_cache
         # an encoder-decoder's decoder KV depends on its source, which the cache does not key
-        caching = cache_cfg.enabled and not self.runner.is_encoder_decoder
+        caching = cache_cfg.enabled and not self.runner.is_encoder_decoder and not (
+            self.pooler is not None and self.pooler.pooling.reads_every_row)
         self.states = None
         if not stateless:
             num_snapshots = 0
@@ -129,9 +132,10 @@ class Engine:
         self.sampler = Sampler(info.eos_token_ids)
         self.grammars = (Grammars(self.tokenizer.backend, info.vocab_size, info.eos_token_ids)
                          if self.tokenizer is not None else None)
-        self.batch_builder = BatchBuilder(engine.block_size, self.device)
+        self.batch_builder = BatchBuilder(engine.block_size, self.device,
+                                          logits=self.pooler is None)
         self.graphs = None
-        if (self.device.type == "cuda" and engine.cuda_graphs
+        if (self.device.type == "cuda" and engine.cuda_graphs and self.pooler is None
                 and self.runner.supports_cuda_graphs):
             from heron.core.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.runner.forward, max_num_seqs=engine.max_num_seqs,
@@ -159,6 +163,20 @@ class Engine:
                 self.add_adapter(name, path)
             except AdapterError as e:  # one bad adapter must not take the server down
                 log.error("adapter not loaded: %s", e)
+
+    def _build_pooler(self, pooling: Pooling | None) -> Pooler | None:
+        """An embedding model's pooler: its forwards then keep every row's final hidden
+        states and compute no logits."""
+        if pooling is None:
+            return None
+        runner, name = self.runner, self.runner.info.name
+        if runner.is_encoder_decoder or not runner.supports_hidden_states:
+            raise ValueError(f"model {name!r}: its family does not serve embeddings")
+        if self.config.speculative.method:
+            raise ValueError(f"model {name!r} serves embeddings: it takes no speculative "
+                             "decoding ([speculative] method)")
+        runner.keep_hidden_states, runner.hidden_states_layers = True, (None,)
+        return Pooler(pooling)
 
     def _build_proposer(self) -> Proposer | None:
         spec = self.config.speculative
@@ -190,6 +208,9 @@ class Engine:
         host. Not while a step's tokens are in flight."""
         if self._inflight is not None:
             raise RuntimeError("set_proposer while a step's tokens are in flight")
+        if proposer.needs_hidden_states and not self.runner.supports_hidden_states:
+            raise ValueError(f"model {self.runner.info.name!r}: its family keeps no hidden "
+                             "states to draft from")
         self.async_scheduling = False
         if proposer.needs_hidden_states:
             self.runner.keep_hidden_states = True
@@ -260,8 +281,14 @@ class Engine:
         ``grammar``: ``params.structured_outputs`` compiled by `compile_grammar` (which takes
         milliseconds, at times more, so callers with a step loop to keep going compile
         elsewhere); compiled here when None.
+
+        An embedding model (`pooler`) pools the prompt's hidden states into
+        ``RequestOutput.embedding`` and generates nothing: of ``params`` only ``priority``
+        applies, and asking for more sequences, beams, logprobs or a grammar is a ValueError.
         """
         params = params or SamplingParams()
+        if self.pooler is not None:
+            params = _embedding_params(params)
         params.validate(self.runner.info.vocab_size,
                         priorities=self.config.engine.scheduling_policy == "priority")
         if request_id in self._requests:
@@ -372,6 +399,8 @@ class Engine:
 
     def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
         n = len(prompt_ids)
+        if self.pooler is not None:
+            return self._check_embeds(n)
         if n >= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens; this model's context is "
                              f"{self.max_model_len} tokens, leaving no room to generate")
@@ -385,6 +414,14 @@ class Engine:
                              f"holds ({self.num_kv_blocks} of {engine.block_size} tokens)")
         if not engine.chunked_prefill and total > engine.max_num_batched_tokens:
             raise ValueError(f"without chunked prefill, prompt + max_tokens ({total}) must fit "
+                             f"engine.max_num_batched_tokens ({engine.max_num_batched_tokens})")
+
+    def _check_embeds(self, n: int) -> None:
+        engine, limit = self.config.engine, min(self.max_model_len, self.kv_capacity)
+        if n > limit:
+            raise ValueError(f"the input has {n} tokens; this model embeds at most {limit}")
+        if not engine.chunked_prefill and n > engine.max_num_batched_tokens:
+            raise ValueError(f"without chunked prefill, an input ({n} tokens) must fit "
                              f"engine.max_num_batched_tokens ({engine.max_num_batched_tokens})")
 
     @property
@@ -492,7 +529,9 @@ class Engine:
         for item in decoding:
             item.seq.num_computed_tokens += item.num_tokens
         self._resolve(inflight)  # on the host, while the device runs this step
-        if logits is not None:
+        if self.pooler is not None and decoding:
+            self._pool(decoding)
+        elif logits is not None:
             self._postprocess(decoding, pl_seqs, logits)
         self._cache_new_blocks(decoding)
         self._checkpoint_states(decoding)
@@ -657,6 +696,21 @@ class Engine:
                                             for s in sample_seqs):
             self._resolve(self._inflight)
             self._inflight = None
+
+    def _pool(self, scheduled) -> None:
+        """Each sequence's rows of the final hidden states, to the pooler; a sequence whose
+        prompt is all in ends with its embedding."""
+        hidden, row = self.runner.hidden_states, 0
+        for item in scheduled:
+            seq = item.seq
+            start = seq.num_computed_tokens - item.num_tokens
+            vector = self.pooler.feed(seq.seq_id, hidden[row:row + item.num_tokens], start,
+                                      seq.num_prompt_tokens)
+            row += item.num_tokens
+            if vector is not None:
+                state = self._by_seq[seq.seq_id]
+                state.embedding = vector
+                state.outputs[0].finish("stop")
 
     def _emit(self, seq: Sequence, result, i: int) -> bool:
         """Append row ``i`` of a sampler result to ``seq``; False when ``seq`` is done."""
@@ -824,6 +878,8 @@ class Engine:
         self.scheduler.finish(seq, cache=cache)
         if states is not None:
             states.release(seq, commit=cache)
+        if self.pooler is not None:
+            self.pooler.forget(seq.seq_id)
         self._free_family_state(seq)
 
     def _retire(self, state: RequestState, *, cache: bool = True) -> None:
@@ -842,6 +898,17 @@ class Engine:
 
     # -- offline use ---------------------------------------------------------------------
 
+    def embed(self, prompts: list[str] | list[list[int]]) -> list[torch.Tensor]:
+        """An embedding model's vectors of ``prompts`` (float32, on the CPU), in order."""
+        if self.pooler is None:
+            raise ValueError(f"model {self.runner.info.name!r} generates text; it does not "
+                             "embed (model.task)")
+        outputs = self.generate(prompts)
+        failed = next((o.outputs[0] for o in outputs if o.embedding is None), None)
+        if failed is not None:
+            raise RuntimeError(f"embedding failed: {failed.error or failed.finish_reason}")
+        return [o.embedding for o in outputs]
+
     def generate(self, prompts: list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; results in prompt order."""
@@ -857,3 +924,16 @@ class Engine:
             if not self.has_unfinished() and len(results) < len(ids):
                 raise RuntimeError("engine idle with unfinished requests")
         return [results[rid] for rid in ids]
+
+
+def _embedding_params(params: SamplingParams) -> SamplingParams:
+    """What an embedding request runs with: its prompt and nothing to generate."""
+    asks = [name for name, on in (("n", params.n != 1), ("num_beams", params.num_beams != 1),
+                                  ("logprobs", params.logprobs is not None),
+                                  ("prompt_logprobs", params.prompt_logprobs is not None),
+                                  ("structured_outputs", params.structured_outputs is not None))
+            if on]
+    if asks:
+        raise ValueError(f"an embedding model generates nothing: {', '.join(asks)} does not "
+                         "apply")
+    return SamplingParams(max_tokens=1, priority=params.priority)

@@ -16,6 +16,7 @@ import torch
 from heron.core.batch import Batch, EncoderChunk
 from heron.core.cache_spec import CacheSpec, CacheTensors
 from heron.core.lora import LoraTarget
+from heron.core.pooling import Pooling
 from heron.core.sequence import Sequence
 
 
@@ -48,6 +49,7 @@ class ModelInfo:
     dtype: torch.dtype
     device: torch.device
     extra: dict[str, Any] = field(default_factory=dict)
+    hidden_size: int = 0  # width of the final hidden states (what an embedding has)
 
     @classmethod
     def of_checkpoint(cls, name: str, vocab_size: int, max_context_len: int,
@@ -100,6 +102,9 @@ class ModelRunner(ABC):
     #: `heron.core.speculative.Proposer.hidden_layers`; None: the final ones, after the last
     #: norm, what the LM head reads), side by side.
     keep_hidden_states: bool = False
+    #: True for a family whose `forward` honours `keep_hidden_states` (the engine refuses
+    #: to serve embeddings, or drafts from hidden states, with any other).
+    supports_hidden_states: bool = False
     hidden_states_layers: tuple[int | None, ...] = (None,)
     hidden_states: torch.Tensor | None = None
 
@@ -185,3 +190,5 @@ class ModelRunner(ABC):
 class LoadedModel:
     runner: ModelRunner
     tokenizer: Any  # heron.core.tokenizer.Tokenizer, or None for a model without one
+    # how an embedding model pools (set by `heron.core.model_loader`); None: it generates
+    pooling: Pooling | None = None

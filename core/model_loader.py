@@ -12,6 +12,7 @@ from heron.core.config import ModelConfig
 from heron.core.family import LoadedModel
 from heron.core.gguf_header import read_gguf_value
 from heron.core.plugins import PluginManager, load_family
+from heron.core.pooling import resolve_pooling
 
 
 def resolve_model_path(model: ModelConfig) -> Path:
@@ -45,9 +46,12 @@ def load_model(model: ModelConfig, plugins: PluginManager, device: torch.device,
                dtype: torch.dtype) -> LoadedModel:
     path = resolve_model_path(model)
     try:
+        pooling = resolve_pooling(model, path)
         spec = (plugins.family_for(name=model.family) if model.family
                 else plugins.family_for(**detect_architecture(path)))
-        return load_family(spec)(str(path), model, device, dtype)
+        loaded = load_family(spec)(str(path), model, device, dtype)
+        loaded.pooling = pooling
+        return loaded
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{path}: a JSON file is not valid JSON ({e})") from e
     except SafetensorError as e:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from heron.core.logprobs import TokenLogprobs
 
 
@@ -36,6 +38,9 @@ class RequestOutput:
     # logprob of each prompt token given the ones before it; None for the first token
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    # an embedding model's vector (float32, CPU), once the prompt is pooled; its one output
+    # then ends "stop" without tokens
+    embedding: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:

@@ -118,6 +118,7 @@ class RequestState:
             [None] if params.prompt_logprobs is not None else None)
         self.unforked: list[Sequence] = []  # siblings waiting for the first one's prompt
         self.beam = None  # a BeamGroup for beam search (then ``outputs`` is empty)
+        self.embedding = None  # an embedding model's vector (`heron.core.pooling`)
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -140,4 +141,4 @@ class RequestState:
     def snapshot(self) -> RequestOutput:
         outs = self.beam.outputs if self.beam is not None else [o.out for o in self.outputs]
         return RequestOutput(self.request_id, self.prompt_token_ids, outs, self.prompt_logprobs,
-                             self.seqs[0].num_cached_tokens or 0)
+                             self.seqs[0].num_cached_tokens or 0, self.embedding)

@@ -60,24 +60,24 @@ def tokenizer_of(app: web.Application):
     return tokenizer
 
 
-def encode_prompts(app: web.Application,
-                   prompt: str | list[Any]) -> tuple[list[str], list[list[int]]]:
-    """A completion's ``prompt`` (string, strings, token ids, lists of token ids) as
-    (texts, token ids), one entry per prompt."""
+def encode_prompts(app: web.Application, prompt: str | list[Any],
+                   field: str = "prompt") -> tuple[list[str], list[list[int]]]:
+    """A completion's ``prompt`` (string, strings, token ids, lists of token ids), or the
+    request ``field`` of that shape, as (texts, token ids), one entry per prompt."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif any(type(t) is int for t in prompt):
         if not all(type(t) is int for t in prompt):
-            raise bad_request("`prompt` mixes token ids with other values", param="prompt")
+            raise bad_request(f"`{field}` mixes token ids with other values", param=field)
         items = [prompt]
     else:
         items = prompt
     if not items:
-        raise bad_request("`prompt` must not be empty", param="prompt")
+        raise bad_request(f"`{field}` must not be empty", param=field)
     texts, ids = [], []
     vocab = app[ASYNC_ENGINE].engine.runner.info.vocab_size
     for i, item in enumerate(items):
-        where = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        where = field if len(items) == 1 else f"{field}[{i}]"
         if isinstance(item, str):
             tokenizer = tokenizer_of(app)
             texts.append(item)

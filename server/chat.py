@@ -14,6 +14,7 @@ from msgspec import UNSET
 from heron.server.admission import (chat_prompt, check_fits, check_request, constrained_by,
                                     returns_token_ids, sampling_params)
 from heron.server.appkeys import CONFIG, REASONING, TOKEN_TEXTS
+from heron.server.embeddings import refuse_embedding_model
 from heron.server.errors import bad_request, decode_body
 from heron.server.generation import Generation
 from heron.server.logprob_format import chat_logprobs, token_id_text
@@ -34,6 +35,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     req = await decode_body(request, ChatCompletionRequest)
     adapter = check_request(app, req)
     refuse_translation_model(app, "/v1/chat/completions")
+    refuse_embedding_model(app, "/v1/chat/completions")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
     choice = req.tool_choice

@@ -89,6 +89,9 @@ def cmd_generate(args) -> int:
     if not args.prompt:
         raise UsageError("--prompt must not be empty")
     engine = Engine(_config(args))
+    if engine.pooler is not None:
+        raise UsageError("the model embeds (model.task = \"embed\"); it generates nothing: "
+                         "serve it and call /v1/embeddings")
     prompt = args.prompt
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])

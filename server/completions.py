@@ -16,6 +16,7 @@ from msgspec import UNSET
 from heron.server.admission import (check_beams, check_fits, check_request, encode_prompts,
                                     returns_token_ids, sampling_params)
 from heron.server.appkeys import ASYNC_ENGINE, TOKEN_TEXTS
+from heron.server.embeddings import refuse_embedding_model
 from heron.server.errors import bad_request, decode_body
 from heron.server.generation import Choice, Generation
 from heron.server.logprob_format import (completion_logprobs, generated_offsets,
@@ -31,6 +32,7 @@ from heron.server.translation_jobs import (completion_jobs, is_translation_model
 async def create_completion(request: web.Request) -> web.StreamResponse:
     req = await decode_body(request, CompletionRequest)
     adapter = check_request(request.app, req)
+    refuse_embedding_model(request.app, "/v1/completions")
     score_only = req.echo and req.max_tokens == 0
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("`max_tokens` must be >= 1 (0 is allowed only with `echo`)",

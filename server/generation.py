@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import structlog
+import torch
 from aiohttp import web
 
 from heron.core.async_engine import EngineStoppedError, QueueFullError, RequestDelta
@@ -75,6 +76,7 @@ class Generation:
         n = params.n
         self.choices = {(p, i): Choice(p * n + i, p) for p in range(len(prompts)) for i in range(n)}
         self.prompt_logprobs: dict[int, list[TokenLogprobs | None]] = {}
+        self.embeddings: dict[int, torch.Tensor] = {}  # an embedding model's, by prompt
         self.num_cached_tokens = 0
         self.arrival_s = arrival_of(request)
         self.first_token_s: float | None = None
@@ -90,14 +92,11 @@ class Generation:
 
     async def __aenter__(self) -> Generation:
         try:
-            for p, prompt_ids in enumerate(self.prompts):
-                rid = self._engine_id(p)
-                self._live.add(rid)
-                await self.engine.add(rid, prompt_ids, self.params,
-                                      lambda delta, p=p: self._queue.put_nowait((p, delta)),
-                                      tenant=self.namespace, adapter=self.adapter,
-                                      encoder_prompt=(None if self.encoder_prompts is None
-                                                      else self.encoder_prompts[p]))
+            # all at once: the prompts join one step, not a step each
+            added = await asyncio.gather(*map(self._add, range(len(self.prompts))),
+                                         return_exceptions=True)
+            if (error := next((e for e in added if e is not None), None)) is not None:
+                raise error
         except BaseException as e:
             self._abort_live()
             if (isinstance(e, ValueError) and self.adapter is not None
@@ -107,6 +106,15 @@ class Generation:
             raise _admission_error(e, self.metrics) from None
         self.metrics.prompt_tokens.inc(self.num_prompt_tokens)
         return self
+
+    async def _add(self, p: int) -> None:
+        rid = self._engine_id(p)
+        self._live.add(rid)
+        await self.engine.add(rid, self.prompts[p], self.params,
+                              lambda delta: self._queue.put_nowait((p, delta)),
+                              tenant=self.namespace, adapter=self.adapter,
+                              encoder_prompt=(None if self.encoder_prompts is None
+                                              else self.encoder_prompts[p]))
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
         # the handler left before the engine finished, or the deadline stopped it
@@ -181,6 +189,8 @@ class Generation:
     def _absorb(self, p: int, delta: RequestDelta) -> None:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs[p] = delta.prompt_logprobs
+        if delta.embedding is not None:
+            self.embeddings[p] = delta.embedding
         self.num_cached_tokens += delta.num_cached_tokens if delta.finished else 0
         for sd in delta.seqs:
             choice = self.choices[(p, sd.index)]

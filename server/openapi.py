@@ -25,6 +25,8 @@ ROUTES = (
      res.ChatCompletionResponse, True),
     ("post", "/v1/responses", "Responses API (nothing is stored: send the whole conversation "
      "as `input`)", resp_api.ResponsesRequest, resp_api.Response, True),
+    ("post", "/v1/embeddings", "Embeddings (embedding models: `model.task = \"embed\"`)",
+     req.EmbeddingRequest, res.EmbeddingResponse, False),
     ("post", "/v1/translations", "Translation (translation models: `src_lang` and `tgt_lang` "
      "are NLLB codes like `eng_Latn`)", req.TranslationRequest, res.TranslationResponse, False),
     ("post", "/tokenize", "Token ids of a prompt or chat", req.TokenizeRequest,

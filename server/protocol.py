@@ -263,6 +263,20 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         return unsupported_part(self.messages) or super().unsupported_field()
 
 
+class EmbeddingRequest(_Body, kw_only=True):
+    """/v1/embeddings (embedding models): ``input`` is a text, a list of texts, a list of
+    token ids or a list of such lists (checked by the handler, as a completion's
+    ``prompt``). ``dimensions`` must be the model's own: heron does not shorten vectors."""
+
+    model: str | None = None
+    input: str | list[Any]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Meta(ge=1)] | None = None
+    # vLLM's: lower runs first, with engine.scheduling_policy = "priority"
+    priority: Annotated[int, Meta(ge=-2**31, le=2**31 - 1)] = 0
+    user: str | None = None  # accepted and ignored
+
+
 class TokenizeRequest(_Body, kw_only=True):
     """vLLM's /tokenize: either ``prompt`` or chat ``messages``."""
 

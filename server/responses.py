@@ -183,6 +183,31 @@ class TranslationResponse(_Out, kw_only=True):
     usage: Usage
 
 
+# -- /v1/embeddings ----------------------------------------------------------------------
+
+class Embedding(_Out, kw_only=True):
+    """``embedding``: the floats, or (``encoding_format: "base64"``) their little-endian
+    float32 bytes in base64."""
+
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(_Out, kw_only=True):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Out, kw_only=True):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage
+
+
 # -- other routes ------------------------------------------------------------------------
 
 class ModelCard(_Out, kw_only=True):

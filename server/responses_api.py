@@ -21,6 +21,7 @@ from aiohttp import web
 from heron.core.sampling_params import StructuredOutput
 from heron.server.admission import chat_prompt, check_fits, check_request, sampling_params
 from heron.server.appkeys import CONFIG, REASONING
+from heron.server.embeddings import refuse_embedding_model
 from heron.server.errors import bad_request, decode_body, from_decode_error
 from heron.server.generation import Choice, Generation
 from heron.server.protocol import ChatMessage, ContentPart, FunctionCall, ToolCallIn
@@ -45,6 +46,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     req = await decode_body(request, ResponsesRequest)
     adapter = check_request(app, req)
     refuse_translation_model(app, "/v1/responses")
+    refuse_embedding_model(app, "/v1/responses")
     messages = conversation(req)
     fmt = req.text.format if req.text is not None else None
     formatted = fmt is not None and fmt.type != "text"

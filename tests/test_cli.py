@@ -140,6 +140,13 @@ def test_user_errors_are_one_line_not_tracebacks(capsys, tmp_path, default_gguf_
     assert "Traceback" not in capsys.readouterr().err
 
 
+def test_generate_refuses_an_embedding_model(capsys, tmp_path, keep_logging):
+    build_tiny("llama", tmp_path)
+    code, _, err = run_main(capsys, "generate", str(tmp_path), "--prompt", "hi",
+                            "--set", 'model.task="embed"')
+    assert code == 2 and "the model embeds" in err and "/v1/embeddings" in err
+
+
 def test_a_port_in_use_is_named(capsys, tmp_path, keep_logging):
     build_tiny("llama", tmp_path)
     with socket.socket() as taken:

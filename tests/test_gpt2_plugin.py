@@ -18,6 +18,7 @@ import heron.core
 import heron.core.ops
 from heron.core import Engine, PluginManager
 from heron.core.ops.cuda.launch import use_backend
+from heron.core.speculative import Proposer
 from tests.gpu.cases import assert_close
 from tests.gpu.emulator import EmulatorBackend, compiler_available
 from tests.server_utils import ServerThread, server_config
@@ -138,3 +139,19 @@ def test_models_lists_gpt2(tiny):
     _, engine, server = tiny
     (card,) = server.client().models.list().data
     assert card.id == NAME and card.max_model_len == 512 == engine.max_model_len
+
+
+def test_a_family_without_hidden_states_neither_embeds_nor_feeds_a_drafter(tiny):
+    """A family that keeps no hidden states is refused what needs them, with its name."""
+    _, engine, _ = tiny
+
+    class HiddenStateDrafter(Proposer):
+        needs_hidden_states = True
+
+        def propose(self, seqs, k):
+            return [[] for _ in seqs]
+
+    with pytest.raises(ValueError, match="keeps no hidden states"):
+        engine.set_proposer(HiddenStateDrafter())
+    with pytest.raises(ValueError, match="does not serve embeddings"):
+        Engine(server_config(engine.config.model.path, **{"model.task": "embed"}))

@@ -28,6 +28,15 @@ FAMILIES = {
     "gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config, {"n_inner": 128}),
 }
 
+# the same architectures saved without their LM head, as embedding models are (the
+# transformer family embeds them: tests/test_embeddings.py)
+BARE = {
+    "llama-bare": (transformers.LlamaModel, transformers.LlamaConfig, {}),
+    "mistral-bare": (transformers.MistralModel, transformers.MistralConfig, {}),
+    "qwen2-bare": (transformers.Qwen2Model, transformers.Qwen2Config, {}),
+    "qwen3-bare": (transformers.Qwen3Model, transformers.Qwen3Config, {"head_dim": 32}),
+}
+
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -71,7 +80,7 @@ def build_tiny(kind: str, directory: Path, seed: int = 0, std: float = 0.3, **co
     ``config`` overrides entries of the transformers config (e.g. ``head_dim``).
     """
     torch.manual_seed(seed)
-    model_cls, config_cls, extra = FAMILIES[kind]
+    model_cls, config_cls, extra = {**FAMILIES, **BARE}[kind]
     model = model_cls(config_cls(**{**COMMON, **extra, **config})).eval()
     randomise_weights(model, std)
     model.save_pretrained(directory)

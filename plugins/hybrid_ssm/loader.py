@@ -35,4 +35,5 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
         log.warning("checkpoint tensors not used: %s", model.unused_tensors[:8])
     info = ModelInfo.of_checkpoint(source.name, cfg.vocab_size, cfg.max_position_embeddings,
                                    cfg.eos_token_ids, tokenizer, dtype, device)
+    info.hidden_size = cfg.hidden_size
     return LoadedModel(HybridRunner(model, info), tokenizer)

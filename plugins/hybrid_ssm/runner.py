@@ -13,6 +13,8 @@ from heron.plugins.hybrid_ssm.model import CONV_STATE, SSM_STATE, HybridModel
 
 
 class HybridRunner(ModelRunner):
+    supports_hidden_states = True
+
     def __init__(self, model: HybridModel, info: ModelInfo) -> None:
         self.model = model
         self.info = info

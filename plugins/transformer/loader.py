@@ -30,6 +30,9 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
         cfg = TransformerConfig.from_hf(json.loads((source / "config.json").read_text()))
         tensors = load_safetensors(source, torch.float32,
                                    keep=lambda name: not is_mtp_tensor(name, cfg.num_layers))
+        if not cfg.has_lm_head and "model.embed_tokens.weight" not in tensors:
+            # a bare model saved on its own names its tensors without the "model." prefix
+            tensors = {f"model.{name}": t for name, t in tensors.items()}
         tokenizer = Tokenizer.from_hf_dir(source)
     model = TransformerModel(cfg, tensors, device, dtype)
     del tensors
@@ -37,5 +40,6 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
         log.warning("checkpoint tensors not used: %s", model.unused_tensors[:8])
     info = ModelInfo.of_checkpoint(source.name, cfg.vocab_size, cfg.max_position_embeddings,
                                    cfg.eos_token_ids, tokenizer, dtype, device)
+    info.hidden_size = cfg.hidden_size
     return LoadedModel(TransformerRunner(model, info), tokenizer)
 

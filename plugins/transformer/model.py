@@ -169,8 +169,11 @@ class TransformerModel:
         self.embed = w.take("model.embed_tokens.weight")
         self.layers = [load_layer(w, f"model.layers.{i}.", cfg) for i in range(cfg.num_layers)]
         self.final_norm = w.take("model.norm.weight")
-        lm_head = w.take("lm_head.weight", required=not cfg.tie_word_embeddings)
-        self.lm_head = pack_weight(lm_head if lm_head is not None else self.embed)
+        lm_head = w.take("lm_head.weight",
+                         required=cfg.has_lm_head and not cfg.tie_word_embeddings)
+        if lm_head is None and cfg.tie_word_embeddings:
+            lm_head = self.embed
+        self.lm_head = pack_weight(lm_head)  # None: a bare model, which only embeds
         self.cos_sin = rope_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings,
                                           cfg.rope_theta, cfg.rope_scaling).to(device)
         self.shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -207,7 +210,14 @@ class TransformerModel:
         if hidden_out is not None:
             h, _ = rms_norm(x, self.final_norm, eps, residual)
             hidden_out.extend(h if n is None else taps[n] for n in hidden_layers)
-            return linear(h.index_select(0, rows), self.lm_head).float()
+            return self._logits(h.index_select(0, rows))
         h, _ = rms_norm(x.index_select(0, rows), self.final_norm, eps,
                         residual.index_select(0, rows))
+        return self._logits(h)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            if h.shape[0]:
+                raise ValueError("a bare model has no LM head: it serves embeddings only")
+            return h.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
         return linear(h, self.lm_head).float()

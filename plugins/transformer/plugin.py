@@ -2,7 +2,7 @@
 
 from heron.core.family import FamilySpec
 from heron.core.hookspecs import hookimpl
-from heron.plugins.transformer.config import ARCHITECTURES
+from heron.plugins.transformer.config import ARCHITECTURES, BARE_ARCHITECTURES
 
 
 @hookimpl
@@ -10,6 +10,6 @@ def heron_register_families(register):
     register(FamilySpec(
         name="transformer",
         loader="heron.plugins.transformer.loader:load",
-        architectures=ARCHITECTURES,
+        architectures=(*ARCHITECTURES, *BARE_ARCHITECTURES),
         gguf_architectures=("llama", "mistral", "qwen2", "qwen3"),
     ))

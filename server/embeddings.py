@@ -1,0 +1,87 @@
+"""POST /v1/embeddings: inputs in, one vector each out (embedding models only).
+
+``input`` is a text or texts, token ids or lists of them; each becomes one engine request
+whose prompt the model pools (`heron.core.pooling`), and all of a call's inputs run in the
+same steps. An input longer than the model's context is a 400, never cut. Vectors come back
+as floats, or with ``encoding_format: "base64"`` (what the openai client asks for unless
+told otherwise) as the base64 of their little-endian float32 bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import torch
+from aiohttp import web
+
+from heron.core.sampling_params import SamplingParams
+from heron.server.admission import check_model, encode_prompts
+from heron.server.appkeys import ASYNC_ENGINE, CONFIG, MODEL_NAME
+from heron.server.errors import bad_request, decode_body
+from heron.server.generation import Generation
+from heron.server.protocol import EmbeddingRequest
+from heron.server.responses import Embedding, EmbeddingResponse, EmbeddingUsage, encode
+
+
+def is_embedding_model(app: web.Application) -> bool:
+    return app[ASYNC_ENGINE].engine.pooler is not None
+
+
+def refuse_embedding_model(app: web.Application, route: str) -> None:
+    if is_embedding_model(app):
+        raise bad_request(f"the model `{app[MODEL_NAME]}` is an embedding model: {route} is "
+                          "not served; send the text to /v1/embeddings", param="model",
+                          code="embedding_model")
+
+
+async def create_embedding(request: web.Request) -> web.Response:
+    app = request.app
+    if not is_embedding_model(app):
+        raise bad_request(f"the model `{app[MODEL_NAME]}` generates text: /v1/embeddings is "
+                          "only for embedding models (model.task = \"embed\")", param="model",
+                          code="not_an_embedding_model")
+    req = await decode_body(request, EmbeddingRequest)
+    adapter = check_model(app, req.model)
+    _, inputs = encode_prompts(app, req.input, field="input")
+    _check_sizes(app, req, inputs, app[ASYNC_ENGINE].engine.runner.info.hidden_size)
+    params = SamplingParams(max_tokens=1, priority=req.priority)
+    async with Generation(request, "embd", inputs, params, adapter=adapter) as gen:
+        await gen.run_to_end()
+        if (error := gen.failure()) is not None:
+            raise error
+        data = [Embedding(index=p, embedding=_encoded(gen.embeddings[p], req.encoding_format))
+                for p in range(len(inputs))]
+        tokens = gen.num_prompt_tokens
+        body = EmbeddingResponse(id=gen.id, created=gen.created, model=gen.model, data=data,
+                                 usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+        return web.Response(body=encode(body), content_type="application/json")
+
+
+def _check_sizes(app: web.Application, req: EmbeddingRequest, inputs: list[list[int]],
+                 width: int) -> None:
+    if req.dimensions is not None and req.dimensions != width:
+        raise bad_request(f"`dimensions` is {req.dimensions}; this model's embeddings have "
+                          f"{width} and are not shortened", param="dimensions")
+    engine, limits = app[ASYNC_ENGINE].engine, app[CONFIG].server
+    # each input waits as one request: a call past the queue's limits could never get in
+    if len(inputs) > limits.max_waiting_requests:
+        raise bad_request(f"`input` has {len(inputs)} items; this server takes at most "
+                          f"{limits.max_waiting_requests} (server.max_waiting_requests)",
+                          param="input", code="limit_exceeded")
+    total = sum(map(len, inputs))
+    if len(inputs) > 1 and total > limits.max_waiting_tokens:
+        raise bad_request(f"`input` has {total} tokens in all; this server takes at most "
+                          f"{limits.max_waiting_tokens} (server.max_waiting_tokens)",
+                          param="input", code="limit_exceeded")
+    limit = min(engine.max_model_len, engine.kv_capacity)
+    for i, ids in enumerate(inputs):
+        if len(ids) > limit:
+            where = "input" if len(inputs) == 1 else f"input[{i}]"
+            raise bad_request(f"`{where}` is {len(ids)} tokens; this model embeds at most "
+                              f"{limit}", param=where, code="context_length_exceeded")
+
+
+def _encoded(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode()
+    return vector.tolist()
