@@ -4,7 +4,8 @@ Both serve SmolLM2-135M-Instruct as an embedding model (last-token pooling, L2-n
 fp32, ``--threads`` threads): heron with ``model.task = "embed"`` on the GGUF (dequantized
 at load), vLLM with ``--runner pooling --convert embed`` on the HF directory of the same
 weights (`bench.peers.models`). The same client sends both the same texts (sentences of a
-policy document, 10-200 tokens) in each shape: ``--inputs`` texts in calls of ``batch``
+policy document, 10-200 tokens, each opening with a word of its round and shape, so that
+no round reuses another's prefix cache) in each shape: ``--inputs`` texts in calls of ``batch``
 inputs, ``concurrency`` calls at a time. Each system runs every shape ``--rounds`` times and
 its best round counts. Reports inputs/s and prompt tokens/s, heron ÷ vLLM, and how closely
 the two systems' vectors agree (the least cosine similarity over the texts). Writes
@@ -89,9 +90,11 @@ def bench_system(system, port: int, items: list[str], rounds: int, log_dir: Path
         for batch, concurrency in SHAPES:
             key = f"batch {batch} x {concurrency}"
             each = []
-            for _ in range(rounds):
+            for r in range(rounds):
+                # a fresh first word per round and shape: no prefix-cache hits across them
+                tagged = [f"({batch}.{r}) {text}" for text in items]
                 seconds, vectors, tokens = asyncio.run(
-                    embed_all(url, model, items, batch, concurrency))
+                    embed_all(url, model, tagged, batch, concurrency))
                 each.append({"seconds": seconds, "inputs_per_s": len(items) / seconds,
                              "tokens_per_s": tokens / seconds, "prompt_tokens": tokens})
             best = max(each, key=lambda r: r["inputs_per_s"])
@@ -132,7 +135,7 @@ def markdown(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default="heron,vllm")
-    parser.add_argument("--inputs", type=int, default=256)
+    parser.add_argument("--inputs", type=int, default=128)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--startup-timeout", type=float, default=600)

@@ -15,7 +15,7 @@ import torch
 from aiohttp import web
 
 from heron.core.sampling_params import SamplingParams
-from heron.server.admission import check_model, encode_prompts
+from heron.server.admission import check_model, encode_prompts, validated
 from heron.server.appkeys import ASYNC_ENGINE, CONFIG, MODEL_NAME
 from heron.server.errors import bad_request, decode_body
 from heron.server.generation import Generation
@@ -44,7 +44,8 @@ async def create_embedding(request: web.Request) -> web.Response:
     adapter = check_model(app, req.model)
     _, inputs = encode_prompts(app, req.input, field="input")
     _check_sizes(app, req, inputs, app[ASYNC_ENGINE].engine.runner.info.hidden_size)
-    params = SamplingParams(max_tokens=1, priority=req.priority)
+    params = validated(SamplingParams(max_tokens=1, priority=req.priority),
+                       priorities=app[CONFIG].engine.scheduling_policy == "priority")
     async with Generation(request, "embd", inputs, params, adapter=adapter) as gen:
         await gen.run_to_end()
         if (error := gen.failure()) is not None:

@@ -94,6 +94,7 @@ def test_a_call_s_inputs_run_in_one_step(model_dir):
     ({"input": "a", "model": "other"}, 404, "model", "model_not_found"),
     ({"input": "a", "encoding_format": "int8"}, 400, None, None),
     ({"input": "a", "temperature": 0.5}, 400, None, None),
+    ({"input": "a", "priority": 3}, 400, "priority", None),  # engine.scheduling_policy fcfs
 ])
 def test_bad_requests_get_openai_shaped_errors(server, body, status, param, code):
     got, reply = post(server, "/v1/embeddings", body)
