@@ -97,6 +97,21 @@ def encode_prompts(app: web.Application, prompt: str | list[Any],
     return texts, ids
 
 
+def check_queue_room(app: web.Application, prompts: list[list[int]], field: str) -> None:
+    """A 400 for a call whose prompts (each one engine request) could never all wait at
+    once: past ``server.max_waiting_requests`` or, more than one, ``max_waiting_tokens``.
+    Such a call would otherwise get a 429, which clients retry, for ever."""
+    limits, total = app[CONFIG].server, sum(map(len, prompts))
+    if len(prompts) > limits.max_waiting_requests:
+        raise bad_request(f"`{field}` has {len(prompts)} items; this server takes at most "
+                          f"{limits.max_waiting_requests} (server.max_waiting_requests)",
+                          param=field, code="limit_exceeded")
+    if len(prompts) > 1 and total > limits.max_waiting_tokens:
+        raise bad_request(f"`{field}` has {total} tokens in all; this server takes at most "
+                          f"{limits.max_waiting_tokens} (server.max_waiting_tokens)",
+                          param=field, code="limit_exceeded")
+
+
 _CONTENT_REQUIRED = ("system", "developer", "user", "tool")  # as OpenAI's API
 
 

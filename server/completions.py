@@ -13,8 +13,8 @@ from __future__ import annotations
 from aiohttp import web
 from msgspec import UNSET
 
-from heron.server.admission import (check_beams, check_fits, check_request, encode_prompts,
-                                    returns_token_ids, sampling_params)
+from heron.server.admission import (check_beams, check_fits, check_queue_room, check_request,
+                                    encode_prompts, returns_token_ids, sampling_params)
 from heron.server.appkeys import ASYNC_ENGINE, TOKEN_TEXTS
 from heron.server.embeddings import refuse_embedding_model
 from heron.server.errors import bad_request, decode_body
@@ -45,6 +45,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     else:
         refuse_translation_fields(request.app, req)
         texts, prompts = encode_prompts(request.app, req.prompt)
+        check_queue_room(request.app, prompts, "prompt")
         for ids in prompts:
             check_fits(request.app, ids, max_tokens, "prompt")
     params = sampling_params(request.app, req, max_tokens=max_tokens, logprobs=req.logprobs,

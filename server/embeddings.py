@@ -15,7 +15,7 @@ import torch
 from aiohttp import web
 
 from heron.core.sampling_params import SamplingParams
-from heron.server.admission import check_model, encode_prompts, validated
+from heron.server.admission import check_model, check_queue_room, encode_prompts, validated
 from heron.server.appkeys import ASYNC_ENGINE, CONFIG, MODEL_NAME
 from heron.server.errors import bad_request, decode_body
 from heron.server.generation import Generation
@@ -63,17 +63,8 @@ def _check_sizes(app: web.Application, req: EmbeddingRequest, inputs: list[list[
     if req.dimensions is not None and req.dimensions != width:
         raise bad_request(f"`dimensions` is {req.dimensions}; this model's embeddings have "
                           f"{width} and are not shortened", param="dimensions")
-    engine, limits = app[ASYNC_ENGINE].engine, app[CONFIG].server
-    # each input waits as one request: a call past the queue's limits could never get in
-    if len(inputs) > limits.max_waiting_requests:
-        raise bad_request(f"`input` has {len(inputs)} items; this server takes at most "
-                          f"{limits.max_waiting_requests} (server.max_waiting_requests)",
-                          param="input", code="limit_exceeded")
-    total = sum(map(len, inputs))
-    if len(inputs) > 1 and total > limits.max_waiting_tokens:
-        raise bad_request(f"`input` has {total} tokens in all; this server takes at most "
-                          f"{limits.max_waiting_tokens} (server.max_waiting_tokens)",
-                          param="input", code="limit_exceeded")
+    check_queue_room(app, inputs, "input")
+    engine = app[ASYNC_ENGINE].engine
     limit = min(engine.max_model_len, engine.kv_capacity)
     for i, ids in enumerate(inputs):
         if len(ids) > limit:

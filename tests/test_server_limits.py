@@ -292,3 +292,20 @@ def test_a_kv_cache_below_the_context_is_flagged_and_named(model_dir, caplog):
         assert e.value.body["param"] == "max_completion_tokens"
         out = client.chat.completions.create(model="tiny", max_tokens=64 - prompt, **CHAT)
         assert out.usage.completion_tokens <= 64 - prompt
+
+
+def test_a_call_that_could_never_wait_whole_is_a_400_not_a_429(model_dir, engine):
+    """More prompts than may wait, or more tokens in all: a 429 would be retried for ever."""
+    config = config_for(model_dir, **{"server.max_waiting_requests": 3,
+                                      "server.max_waiting_tokens": 40})
+    with ServerThread(config, engine) as server:
+        for prompt, key in (([[5, 6]] * 4, "max_waiting_requests"),
+                            ([[5] * 30, [6] * 30], "max_waiting_tokens")):
+            status, _, raw = server.http("POST", "/v1/completions", {
+                "model": "tiny", "prompt": prompt, "max_tokens": 2})
+            assert status == 400, raw
+            assert assert_error(raw, 400, "prompt", key)["code"] == "limit_exceeded"
+        # one prompt past max_waiting_tokens gets in when nothing waits, as always
+        status, _, raw = server.http("POST", "/v1/completions", {
+            "model": "tiny", "prompt": [[5] * 50], "max_tokens": 2})
+        assert status == 200, raw
