@@ -150,15 +150,24 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return out
 
 
+# marks where the final message's content ends, for `continue_final_message`; the space
+# shows whether the template stripped the content's end
+_CONTINUE_MARK = "\u2063heron-continue\u2063 "
+
+
 def render_chat_template(template: str | None, messages: Sequence[Mapping[str, Any]], *,
                          add_generation_prompt: bool = True,
+                         continue_final_message: bool = False,
                          special_tokens: Mapping[str, str | None] | None = None,
                          **kwargs: Any) -> str:
     """Render ``messages`` with ``template``.
 
     ``special_tokens`` become template variables (``bos_token``, ``eos_token``, ...), as the
     tokenizer's special-tokens map does in transformers; ``kwargs`` (e.g. ``tools``,
-    ``enable_thinking``) are passed through and override them. Raises `ChatTemplateError`
+    ``enable_thinking``) are passed through and override them. With
+    ``continue_final_message`` the text ends where the last message's content does (what
+    the template writes after it, the end of its turn, is cut), so that the model continues
+    that message, as transformers' option of the same name does. Raises `ChatTemplateError`
     when ``template`` is None or the template raises.
     """
     if not template:
@@ -169,8 +178,22 @@ def render_chat_template(template: str | None, messages: Sequence[Mapping[str, A
     variables.setdefault("tools", None)
     variables.setdefault("documents", None)
     compiled = _compile(template)
+    messages = normalize_messages(messages)
+    if continue_final_message:
+        if not messages or not isinstance(messages[-1].get("content"), str):
+            raise ChatTemplateError("continue_final_message: the final message has no text "
+                                    "content to continue")
+        messages[-1]["content"] += _CONTINUE_MARK
     try:
-        return compiled.render(messages=normalize_messages(messages),
-                               add_generation_prompt=add_generation_prompt, **variables)
+        text = compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               **variables)
     except jinja2.exceptions.TemplateError as exc:
         raise ChatTemplateError(f"chat template error: {exc}") from exc
+    if not continue_final_message:
+        return text
+    end = text.rfind(_CONTINUE_MARK.strip())
+    if end < 0:
+        raise ChatTemplateError("continue_final_message: the chat template does not write the "
+                                "final message's content as it is, so it cannot be continued")
+    whole = text.startswith(_CONTINUE_MARK, end)
+    return text[:end] if whole else text[:end].rstrip()

@@ -116,12 +116,18 @@ _CONTENT_REQUIRED = ("system", "developer", "user", "tool")  # as OpenAI's API
 
 
 def chat_prompt(app: web.Application, messages: list[ChatMessage], *,
-                add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                add_special_tokens: bool = False,
                 template_kwargs: dict[str, Any] | None = None,
                 tools: list[dict] | None = None) -> list[int]:
     """Token ids of ``messages`` rendered with the model's chat template (which writes any
     BOS itself; ``add_special_tokens`` adds the tokenizer's too, as vLLM's /tokenize), with
-    ``tools`` as its ``tools`` variable."""
+    ``tools`` as its ``tools`` variable; with ``continue_final_message``, ending inside the
+    final message, for the model to continue (`render_chat_template`)."""
+    if continue_final_message and add_generation_prompt:
+        raise bad_request("`continue_final_message` needs `add_generation_prompt: false`: "
+                          "the answer either continues the final message or starts a new one",
+                          param="continue_final_message")
     plain = [_template_message(i, m) for i, m in enumerate(messages)]
     reserved = {"messages", "add_generation_prompt", "tokenize", "special_tokens", "template"}
     if clash := sorted(reserved & set(template_kwargs or ())):
@@ -130,6 +136,7 @@ def chat_prompt(app: web.Application, messages: list[ChatMessage], *,
     tokenizer = tokenizer_of(app)
     try:
         text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
                                              **(template_kwargs or {}),
                                              **({"tools": tools} if tools else {}))
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -44,6 +44,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                        named, req.parallel_tool_calls, app[CONFIG].server.tool_call_parser,
                        constrained_by(req))
     prompt_ids = chat_prompt(app, req.messages, add_generation_prompt=req.add_generation_prompt,
+                             continue_final_message=req.continue_final_message,
                              template_kwargs=req.chat_template_kwargs,
                              tools=tools.template_tools if tools else None)
     max_tokens = req.max_completion_tokens or req.max_tokens

@@ -237,6 +237,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: NumLogprobs | None = None
     # vLLM extras for the chat template
     add_generation_prompt: bool = True
+    # the answer continues the final message (an assistant's start, say); needs
+    # add_generation_prompt false
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     # unset: "auto" with tools, "none" without
@@ -286,6 +289,7 @@ class TokenizeRequest(_Body, kw_only=True):
     # unset: true for a prompt, false for messages (their template writes any BOS)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(_Body, kw_only=True):

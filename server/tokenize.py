@@ -26,7 +26,8 @@ async def tokenize(request: web.Request) -> web.Response:
             raise bad_request(f"`{name}` is not supported by this server", param=name,
                               code="unsupported_field")
         tokens = chat_prompt(request.app, req.messages, add_special_tokens=bool(special),
-                             add_generation_prompt=req.add_generation_prompt)
+                             add_generation_prompt=req.add_generation_prompt,
+                             continue_final_message=req.continue_final_message)
     body = TokenizeResponse(count=len(tokens), tokens=tokens,
                             max_model_len=request.app[ASYNC_ENGINE].engine.max_model_len)
     return web.Response(body=encode(body), content_type="application/json")

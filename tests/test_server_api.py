@@ -218,6 +218,27 @@ def test_chat_template_usage_and_content_parts(client, tokenizer):
     assert limited.usage.completion_tokens == 5
 
 
+def test_continue_final_message_continues_the_assistant_s_start(server, client, tokenizer):
+    """The prompt ends inside the final message (the template's rendering checked against
+    transformers' in tests/test_tokenizer.py), and the answer is that prompt's completion."""
+    messages = [{"role": "user", "content": "Hello"},
+                {"role": "assistant", "content": "The quick"}]
+    out = chat(client, messages=messages, extra_body={
+        "ignore_eos": True, "add_generation_prompt": False, "continue_final_message": True})
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True,
+                                        continue_final_message=True)
+    assert tokenizer.decode(ids).endswith("assistant: The quick")
+    assert out.usage.prompt_tokens == len(ids)
+    same = completion(client, prompt=ids)
+    assert out.choices[0].message.content == same.choices[0].text
+    status, _, raw = server.http("POST", "/tokenize", {
+        "messages": messages, "add_generation_prompt": False, "continue_final_message": True})
+    assert status == 200 and json.loads(raw)["tokens"] == ids
+    with pytest.raises(openai.BadRequestError) as both:
+        chat(client, messages=messages, extra_body={"continue_final_message": True})
+    assert both.value.body["param"] == "continue_final_message"
+
+
 def test_chat_logprobs_n_stop_seed(client):
     out = chat(client, logprobs=True, top_logprobs=2)
     content = out.choices[0].logprobs.content

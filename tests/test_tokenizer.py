@@ -122,6 +122,38 @@ def test_gguf_chat_template_matches_transformers(gguf_pair, messages):
             theirs.encode(expected, add_special_tokens=False)
 
 
+TRIMMING = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}</{{ m['role'] }}>"
+            "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.mark.parametrize("template", [None, TRIMMING], ids=["smollm2", "trimming"])
+@pytest.mark.parametrize("start", ["The capital is", "The capital is ", " Pa"])
+def test_continue_final_message_matches_transformers(gguf_pair, template, start):
+    ours, theirs = gguf_pair
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": start}]
+    expected = theirs.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                          add_generation_prompt=False,
+                                          continue_final_message=True)
+    if template is not None:
+        ours = Tokenizer(ours.backend, special_tokens={}, chat_template=template)
+    assert ours.apply_chat_template(messages, add_generation_prompt=False,
+                                    continue_final_message=True) == expected
+    assert expected.rstrip().endswith(start.strip())
+
+
+def test_continue_final_message_needs_content_the_template_writes(gguf_pair):
+    ours, _ = gguf_pair
+    with pytest.raises(ChatTemplateError, match="no text content"):
+        ours.apply_chat_template([{"role": "assistant", "content": None}],
+                                 add_generation_prompt=False, continue_final_message=True)
+    hiding = Tokenizer(ours.backend, special_tokens={},
+                       chat_template="{% for m in messages %}{{ m['role'] }}{% endfor %}")
+    with pytest.raises(ChatTemplateError, match="cannot be continued"):
+        hiding.apply_chat_template([{"role": "assistant", "content": "Hi"}],
+                                   add_generation_prompt=False, continue_final_message=True)
+
+
 def test_content_parts_are_joined(gguf_pair):
     ours, _ = gguf_pair
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
