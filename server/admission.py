@@ -97,6 +97,20 @@ def encode_prompts(app: web.Application, prompt: str | list[Any],
     return texts, ids
 
 
+def truncate_prompts(prompts: list[list[int]], keep: int | None,
+                     limit: int) -> list[list[int]]:
+    """vLLM's ``truncate_prompt_tokens``: each prompt's last ``keep`` tokens (-1: the last
+    ``limit``, what the model takes); None keeps them whole, and a prompt past the model's
+    limits is then a 400 as ever. Asked for, truncation is no surprise: never otherwise."""
+    if keep is None:
+        return prompts
+    if keep == 0 or keep > limit:
+        raise bad_request(f"`truncate_prompt_tokens` is {keep}; it must be -1 (the model's "
+                          f"{limit}) or from 1 to {limit}", param="truncate_prompt_tokens")
+    keep = limit if keep == -1 else keep
+    return [ids[-keep:] for ids in prompts]
+
+
 def check_queue_room(app: web.Application, prompts: list[list[int]], field: str) -> None:
     """A 400 for a call whose prompts (each one engine request) could never all wait at
     once: past ``server.max_waiting_requests`` or, more than one, ``max_waiting_tokens``.

@@ -12,8 +12,8 @@ from aiohttp import web
 from msgspec import UNSET
 
 from heron.server.admission import (chat_prompt, check_fits, check_request, constrained_by,
-                                    returns_token_ids, sampling_params)
-from heron.server.appkeys import CONFIG, REASONING, TOKEN_TEXTS
+                                    returns_token_ids, sampling_params, truncate_prompts)
+from heron.server.appkeys import ASYNC_ENGINE, CONFIG, REASONING, TOKEN_TEXTS
 from heron.server.embeddings import refuse_embedding_model
 from heron.server.errors import bad_request, decode_body
 from heron.server.generation import Generation
@@ -47,6 +47,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                              continue_final_message=req.continue_final_message,
                              template_kwargs=req.chat_template_kwargs,
                              tools=tools.template_tools if tools else None)
+    prompt_ids, = truncate_prompts([prompt_ids], req.truncate_prompt_tokens,
+                                   app[ASYNC_ENGINE].engine.max_model_len)
     max_tokens = req.max_completion_tokens or req.max_tokens
     check_fits(app, prompt_ids, max_tokens, "messages",
                "max_completion_tokens" if req.max_completion_tokens else "max_tokens")

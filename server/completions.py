@@ -14,7 +14,8 @@ from aiohttp import web
 from msgspec import UNSET
 
 from heron.server.admission import (check_beams, check_fits, check_queue_room, check_request,
-                                    encode_prompts, returns_token_ids, sampling_params)
+                                    encode_prompts, returns_token_ids, sampling_params,
+                                    truncate_prompts)
 from heron.server.appkeys import ASYNC_ENGINE, TOKEN_TEXTS
 from heron.server.embeddings import refuse_embedding_model
 from heron.server.errors import bad_request, decode_body
@@ -40,11 +41,14 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     max_tokens = 1 if score_only else req.max_tokens
     sources = None
     if is_translation_model(request.app):
+        if req.truncate_prompt_tokens is not None:
+            raise bad_request("`truncate_prompt_tokens` is not for translation models",
+                              param="truncate_prompt_tokens")
         texts, jobs = completion_jobs(request.app, req, max_tokens)
         prompts, sources = jobs.prompts, jobs.sources
     else:
         refuse_translation_fields(request.app, req)
-        texts, prompts = encode_prompts(request.app, req.prompt)
+        texts, prompts = _prompts(request.app, req)
         check_queue_room(request.app, prompts, "prompt")
         for ids in prompts:
             check_fits(request.app, ids, max_tokens, "prompt")
@@ -64,6 +68,17 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         body = CompletionResponse(id=gen.id, created=gen.created, model=gen.model,
                                   choices=choices, usage=gen.usage())
         return web.Response(body=encode(body), content_type="application/json")
+
+
+def _prompts(app: web.Application, req: CompletionRequest) -> tuple[list[str], list[list[int]]]:
+    """The prompts' texts and token ids, cut to their last ``truncate_prompt_tokens``; a cut
+    prompt's text (what ``echo`` returns) is then its kept tokens'."""
+    texts, whole = encode_prompts(app, req.prompt)
+    engine = app[ASYNC_ENGINE].engine
+    prompts = truncate_prompts(whole, req.truncate_prompt_tokens, engine.max_model_len)
+    return [text if len(ids) == len(before) or engine.tokenizer is None
+            else engine.tokenizer.decode(ids, skip_special_tokens=False)
+            for text, ids, before in zip(texts, prompts, whole)], prompts
 
 
 class _View:

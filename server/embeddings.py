@@ -15,7 +15,8 @@ import torch
 from aiohttp import web
 
 from heron.core.sampling_params import SamplingParams
-from heron.server.admission import check_model, check_queue_room, encode_prompts, validated
+from heron.server.admission import (check_model, check_queue_room, encode_prompts,
+                                    truncate_prompts, validated)
 from heron.server.appkeys import ASYNC_ENGINE, CONFIG, MODEL_NAME
 from heron.server.errors import bad_request, decode_body
 from heron.server.generation import Generation
@@ -43,7 +44,10 @@ async def create_embedding(request: web.Request) -> web.Response:
     req = await decode_body(request, EmbeddingRequest)
     adapter = check_model(app, req.model)
     _, inputs = encode_prompts(app, req.input, field="input")
-    _check_sizes(app, req, inputs, app[ASYNC_ENGINE].engine.runner.info.hidden_size)
+    engine = app[ASYNC_ENGINE].engine
+    inputs = truncate_prompts(inputs, req.truncate_prompt_tokens,
+                              min(engine.max_model_len, engine.kv_capacity))
+    _check_sizes(app, req, inputs, engine.runner.info.hidden_size)
     params = validated(SamplingParams(max_tokens=1, priority=req.priority),
                        priorities=app[CONFIG].engine.scheduling_policy == "priority")
     async with Generation(request, "embd", inputs, params, adapter=adapter) as gen:

@@ -115,11 +115,16 @@ class SamplingFields(_Body, kw_only=True):
         return None
 
 
+# vLLM's: keep each prompt's last k tokens (-1: as many as the model takes)
+TruncatePromptTokens = Annotated[int, Meta(ge=-1)] | None
+
+
 class CompletionRequest(SamplingFields, kw_only=True):
     """``prompt``: a string, a list of strings, a list of token ids or a list of such lists
     (checked by the handler: msgspec unions hold one array type at most)."""
 
     prompt: str | list[Any]
+    truncate_prompt_tokens: TruncatePromptTokens = None
     max_tokens: NonNegInt | None = 16
     echo: bool = False
     logprobs: NumLogprobs | None = None
@@ -233,6 +238,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    truncate_prompt_tokens: TruncatePromptTokens = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     # vLLM extras for the chat template
@@ -275,6 +281,7 @@ class EmbeddingRequest(_Body, kw_only=True):
     input: str | list[Any]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Meta(ge=1)] | None = None
+    truncate_prompt_tokens: TruncatePromptTokens = None
     # vLLM's: lower runs first, with engine.scheduling_policy = "priority"
     priority: Annotated[int, Meta(ge=-2**31, le=2**31 - 1)] = 0
     user: str | None = None  # accepted and ignored

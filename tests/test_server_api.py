@@ -239,6 +239,24 @@ def test_continue_final_message_continues_the_assistant_s_start(server, client, 
     assert both.value.body["param"] == "continue_final_message"
 
 
+def test_truncate_prompt_tokens_keeps_each_prompt_s_last_tokens(client, tokenizer):
+    ids = [(5 * i) % 290 + 3 for i in range(600)]  # past the 512-token context
+    cut = completion(client, prompt=ids, extra_body={"ignore_eos": True,
+                                                     "truncate_prompt_tokens": 100})
+    same = completion(client, prompt=ids[-100:])
+    assert cut.usage.prompt_tokens == 100 and cut.choices[0].text == same.choices[0].text
+    echoed = completion(client, prompt=PROMPT * 3, echo=True, max_tokens=2,
+                        extra_body={"truncate_prompt_tokens": 4})
+    kept = tokenizer.encode(PROMPT * 3)[-4:]
+    assert echoed.usage.prompt_tokens == 4
+    assert echoed.choices[0].text.startswith(tokenizer.decode(kept, skip_special_tokens=False))
+    out = chat(client, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 5})
+    assert out.usage.prompt_tokens == 5
+    with pytest.raises(openai.BadRequestError) as whole:
+        completion(client, prompt=ids)
+    assert whole.value.body["code"] == "context_length_exceeded"
+
+
 def test_chat_logprobs_n_stop_seed(client):
     out = chat(client, logprobs=True, top_logprobs=2)
     content = out.choices[0].logprobs.content

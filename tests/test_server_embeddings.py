@@ -80,6 +80,21 @@ def test_a_call_s_inputs_run_in_one_step(model_dir):
     assert batches == [len(PROMPTS)]
 
 
+def test_truncate_prompt_tokens_embeds_each_input_s_last_tokens(server, model_dir):
+    long_ids = [(7 * i) % 300 + 3 for i in range(600)]  # past the 512-token context
+    for keep, kept in ((-1, long_ids[-512:]), (10, long_ids[-10:])):
+        status, reply = post(server, "/v1/embeddings", {
+            "input": [long_ids, long_ids[:5]], "truncate_prompt_tokens": keep})
+        assert status == 200, reply
+        assert reply["usage"]["prompt_tokens"] == len(kept) + min(5, len(kept))
+        torch.testing.assert_close(torch.tensor(reply["data"][0]["embedding"]),
+                                   oracle(model_dir, kept, "last"), atol=1e-5, rtol=1e-5)
+    for keep in (0, 513):
+        status, reply = post(server, "/v1/embeddings", {"input": "a",
+                                                        "truncate_prompt_tokens": keep})
+        assert status == 400 and reply["error"]["param"] == "truncate_prompt_tokens"
+
+
 @pytest.mark.parametrize("body,status,param,code", [
     ({"input": []}, 400, "input", None),
     ({"input": ""}, 400, "input", None),

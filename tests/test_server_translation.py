@@ -188,6 +188,10 @@ def test_completions_errors_on_a_translation_model(server):
         client.completions.create(model="nllb", prompt="ka to", n=3, extra_body={
             "src_lang": ENG, "tgt_lang": FRA, "num_beams": 2})
     assert e.value.body["param"] == "n" and "num_beams" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="nllb", prompt="ka to", extra_body={
+            "src_lang": ENG, "tgt_lang": FRA, "truncate_prompt_tokens": 2})
+    assert e.value.body["param"] == "truncate_prompt_tokens"
     for extra, param in (({"echo": True}, "echo"), ({"prompt": [5, 6, 7]}, "prompt")):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(**{"model": "nllb", "prompt": "ka to", **extra,
