@@ -2,7 +2,8 @@
 
 Streaming follows OpenAI: each choice's first chunk carries ``role: "assistant"``, later
 ones the new ``content``, the last one its ``finish_reason``; with
-``stream_options.include_usage`` a final chunk with no choices carries the usage. Tool
+``stream_options.include_usage`` a final chunk with no choices carries the usage (and with
+vLLM's ``continuous_usage_stats`` every chunk the usage so far). Tool
 calls: `heron.server.tools`; a reasoning model's thinking: `heron.server.reasoning`.
 """
 
@@ -112,9 +113,12 @@ async def _stream(request: web.Request, req: ChatCompletionRequest, gen: Generat
     text_of = token_id_text if req.return_tokens_as_token_ids else request.app[TOKEN_TEXTS]
     bytes_of = request.app[TOKEN_TEXTS].bytes_of
 
+    every = req.stream_options is not None and req.stream_options.usage_in_every_chunk
+
     def chunk(choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=gen.id, created=gen.created, model=gen.model,
-                                   choices=choices)
+                                   choices=choices, usage=_usage(gen, request.app[REASONING],
+                                                                 thinking) if every else None)
 
     token_ids = returns_token_ids(request.app, req)
     mode = tools.mode if tools is not None else "none"

@@ -119,10 +119,11 @@ class _View:
                                 token_ids=([] if self.score_only else c.token_ids) if ids
                                 else UNSET)
 
-    @staticmethod
-    def _chunk(gen: Generation, choices: list[CompletionChoice]) -> CompletionResponse:
+    def _chunk(self, gen: Generation, choices: list[CompletionChoice]) -> CompletionResponse:
+        options = self.req.stream_options
         return CompletionResponse(id=gen.id, created=gen.created, model=gen.model,
-                                  choices=choices)
+                                  choices=choices, usage=gen.usage() if options is not None
+                                  and options.usage_in_every_chunk else None)
 
     async def stream(self, gen: Generation) -> web.StreamResponse:
         events = EventStream(self.request)

@@ -36,6 +36,12 @@ class _Body(Struct, kw_only=True, forbid_unknown_fields=True):
 
 class StreamOptions(_Body, kw_only=True):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far
+    continuous_usage_stats: bool = False
+
+    @property
+    def usage_in_every_chunk(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class JsonSchema(_Body, kw_only=True):

@@ -305,6 +305,19 @@ def test_chat_streaming_matches_whole(client):
     assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for chunks in (list(chat(client, stream=True, stream_options=options)),
+                   list(completion(client, stream=True, stream_options=options))):
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+        assert counts == sorted(counts) and counts[0] < counts[-1] == 12
+    # without include_usage it adds nothing, as in vLLM
+    plain = list(chat(client, stream=True, stream_options={"include_usage": False,
+                                                           "continuous_usage_stats": True}))
+    assert all(c.usage is None for c in plain)
+
+
 def test_tokenize_detokenize(server, tokenizer):
     status, _, body = server.http("POST", "/tokenize", {"model": "tiny", "prompt": PROMPT})
     tokens = json.loads(body)
