@@ -35,7 +35,7 @@ class Pooling:
         return self.method != "last"
 
 
-def is_bare_model(path: Path) -> bool:
+def _is_bare_model(path: Path) -> bool:
     """An HF checkpoint of a model without its LM head (architecture ``Qwen3Model``,
     ``LlamaModel``, ...), as embedding models are saved."""
     config = path / "config.json"
@@ -53,7 +53,7 @@ def resolve_pooling(model: ModelConfig, path: Path) -> Pooling | None:
     ``[model]`` sets them. ConfigError for a bare model asked to generate, or a pooling
     mode heron does not implement."""
     modules = _st_modules(path)
-    bare = is_bare_model(path)
+    bare = _is_bare_model(path)
     task = model.task
     if task == "auto":
         task = "embed" if modules is not None or bare else "generate"
