@@ -1,4 +1,5 @@
-"""Logit adjustments made before sampling: min_tokens bans, logit bias and penalties.
+"""Logit adjustments made before sampling: min_tokens bans, logit bias, allowed tokens, bad
+words and penalties.
 
 Each function edits ``logits`` in place and does no torch work at all for a batch whose
 rows leave it neutral, which is the common case.
@@ -65,6 +66,37 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         index = to_device([rows, cols], torch.long, logits.device)
         logits.index_put_((index[0], index[1]), to_device(biases, logits.dtype, logits.device),
                           accumulate=True)
+
+
+def apply_allowed_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Mask every logit of a row but its ``params.allowed_token_ids`` (ids in ``[0, V)``)."""
+    for i, seq in enumerate(seqs):
+        allowed = seq.params.allowed_token_ids
+        if allowed is not None:
+            index = to_device(allowed, torch.long, logits.device)
+            kept = logits[i].index_select(0, index)
+            logits[i].fill_(float("-inf")).index_copy_(0, index, kept)
+
+
+def apply_bad_words(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Mask the token that would complete a row's bad word (``params.bad_words_token_ids``):
+    a one-token word's always, a longer word's last token when the output so far ends with
+    all its others. Only the output counts: a word the prompt ends in may be completed."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, seq in enumerate(seqs):
+        words = seq.params.bad_words_token_ids
+        if not words:
+            continue
+        output = seq.output_token_ids
+        for word in words:
+            head = len(word) - 1
+            if head == 0 or (len(output) >= head and output[len(output) - head:] == word[:-1]):
+                rows.append(i)
+                cols.append(word[-1])
+    if rows:
+        index = to_device([rows, cols], torch.long, logits.device)
+        logits[index[0], index[1]] = float("-inf")
 
 
 def has_penalties(params: SamplingParams) -> bool:

@@ -10,7 +10,8 @@ from heron.core.device import to_device
 from heron.core.grammar import apply_grammar_masks
 from heron.core.logprobs import (TokenLogprobs, describe_token_logprobs,
                                  token_logprob_tensors)
-from heron.core.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
+from heron.core.penalties import (apply_allowed_tokens, apply_bad_words, apply_logit_bias,
+                                  apply_min_tokens, apply_penalties)
 from heron.core.sequence import Sequence
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS): dividing logits by
@@ -117,6 +118,8 @@ class Sampler:
 
         apply_min_tokens(logits, seqs, self.eos_token_ids)
         apply_logit_bias(logits, seqs)
+        apply_allowed_tokens(logits, seqs)
+        apply_bad_words(logits, seqs)
         apply_penalties(logits, seqs)
         apply_grammar_masks(logits, seqs)
         chosen = self._choose(logits, seqs).masked_fill_(is_failed, -1)

@@ -64,6 +64,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ``logit_bias`` maps token ids to a bias in ``[-100, 100]`` added to their logits before
     the penalties and sampling (OpenAI's field; -100 all but bans a token, 100 all but
     forces it); the logprobs stay those of the raw distribution, as vLLM's.
+    ``allowed_token_ids`` (vLLM's) leaves only those tokens to sample; ``bad_words_token_ids``
+    (vLLM's ``bad_words``, tokenized) bans each word's last token wherever the output so far
+    ends with the word's other tokens (a one-token word always).
     ``structured_outputs`` constrains the output to a grammar (`StructuredOutput`,
     `heron.core.grammar`); logprobs stay those of the unconstrained distribution.
 
@@ -89,6 +92,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop: list[str] = []
     stop_token_ids: list[int] = []
     logit_bias: dict[int, float] = {}
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] = []
     structured_outputs: StructuredOutput | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -130,6 +135,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ids = ">= 0" if vocab_size is None else f"0..{vocab_size - 1}"
             raise ValueError(f"logit_bias is out of range: {bad[1]!r} for token {bad[0]} "
                              f"(token ids {ids}, biases in [-100, 100])")
+        allowed = [] if self.allowed_token_ids is None else [self.allowed_token_ids]
+        for name, lists in (("allowed_token_ids", allowed),
+                            ("bad_words_token_ids", self.bad_words_token_ids)):
+            if any(not ids or not all(0 <= t < limit for t in ids) for ids in lists):
+                raise ValueError(f"{name} is out of range: each list needs token ids "
+                                 f"{'>= 0' if vocab_size is None else f'0..{vocab_size - 1}'}")
         if self.structured_outputs is not None:
             self.structured_outputs.validate(vocab_size)
         if self.priority and not priorities:
@@ -151,6 +162,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("frequency_penalty", self.frequency_penalty, 0.0),
             ("repetition_penalty", self.repetition_penalty, 1.0), ("stop", self.stop, []),
             ("stop_token_ids", self.stop_token_ids, []), ("logit_bias", self.logit_bias, {}),
+            ("allowed_token_ids", self.allowed_token_ids, None),
+            ("bad_words_token_ids", self.bad_words_token_ids, []),
             ("structured_outputs", self.structured_outputs, None),
             ("logprobs", self.logprobs, None),
             ("prompt_logprobs", self.prompt_logprobs, None)) if value != plain]

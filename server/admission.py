@@ -257,6 +257,8 @@ def sampling_params(app: web.Application, req: SamplingFields, *, max_tokens: in
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         stop=[s for s in stop if s], stop_token_ids=list(req.stop_token_ids or []),
         logit_bias=_logit_bias(req.logit_bias or {}),
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words_token_ids=_bad_words(app, req.bad_words or []),
         structured_outputs=structured or _structured(req),
         ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
@@ -264,6 +266,17 @@ def sampling_params(app: web.Application, req: SamplingFields, *, max_tokens: in
         priority=req.priority, **beam_fields(req))
     return validated(params, app[ASYNC_ENGINE].engine.runner.info.vocab_size,
                      priorities=app[CONFIG].engine.scheduling_policy == "priority")
+
+
+def _bad_words(app: web.Application, words: list[str]) -> list[list[int]]:
+    """vLLM's ``bad_words`` as token ids: each word as it is and after a space (a word
+    mid-text is most often tokenized with its space), once each."""
+    if not words:
+        return []
+    tokenizer = tokenizer_of(app)
+    spellings = (tokenizer.encode(text, add_special_tokens=False)
+                 for word in words for text in (word, " " + word.lstrip()))
+    return [list(ids) for ids in dict.fromkeys(map(tuple, spellings)) if ids]
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:

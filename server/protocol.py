@@ -88,6 +88,8 @@ class SamplingFields(_Body, kw_only=True):
     min_tokens: NonNegInt = 0
     ignore_eos: bool = False
     stop_token_ids: list[NonNegInt] | None = None
+    allowed_token_ids: Annotated[list[NonNegInt], Meta(min_length=1)] | None = None
+    bad_words: list[Annotated[str, Meta(min_length=1)]] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:<id>"
