@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import os
@@ -150,16 +151,26 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+@contextlib.contextmanager
+def served(system: System, port: int, log_dir: Path, startup_timeout: float):
+    """``system`` serving on ``port`` for the block (its output appended to
+    ``log_dir/<name>.log``); yields its URL once it answers, stops it at the end."""
+    url = f"http://127.0.0.1:{port}"
+    with (log_dir / f"{system.name}.log").open("a") as log:
+        proc = subprocess.Popen(system.command, env={**os.environ, **system.env}, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_ready(url, proc, startup_timeout)
+            yield url
+        finally:
+            stop(proc)
+
+
 def bench_system(system: System, port: int, args, log_dir: Path) -> tuple[float, dict]:
     """``(start-up seconds, the load generator's summary per concurrency)``."""
-    url = f"http://127.0.0.1:{port}"
-    log = (log_dir / f"{system.name}.log").open("a")
-    start = time.perf_counter()
-    proc = subprocess.Popen(system.command, env={**os.environ, **system.env}, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
     runs = {}
-    try:
-        wait_ready(url, proc, args.startup_timeout)
+    start = time.perf_counter()
+    with served(system, port, log_dir, args.startup_timeout) as url:
         startup_s = time.perf_counter() - start
         # Warm-up at the highest concurrency: first-call costs, compiled graphs, allocators.
         top = max(args.concurrency)
@@ -175,9 +186,6 @@ def bench_system(system: System, port: int, args, log_dir: Path) -> tuple[float,
             print(f"    {r['output_tokens_per_s']:.1f} tok/s, TTFT p50 "
                   f"{r['ttft_ms']['p50']:.0f} ms, ITL p50 {r['itl_ms']['p50']:.1f} ms, "
                   f"errors {r['errors']}", flush=True)
-    finally:
-        stop(proc)
-        log.close()
     return startup_s, runs
 
 

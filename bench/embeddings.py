@@ -21,14 +21,13 @@ import asyncio
 import datetime as dt
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 
-from bench.compare import ROOT, free_port, heron, stop, vllm, wait_ready
+from bench.compare import ROOT, free_port, heron, served, vllm
 from bench.machine import describe
 from bench.workloads import system_prompt
 
@@ -78,13 +77,8 @@ def model_name(url: str) -> str:
 
 def bench_system(system, port: int, items: list[str], rounds: int, log_dir: Path,
                  startup_timeout: float) -> dict:
-    url = f"http://127.0.0.1:{port}"
-    log = (log_dir / f"{system.name}.log").open("a")
-    proc = subprocess.Popen(system.command, env={**os.environ, **system.env}, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
     shapes, vectors = {}, None
-    try:
-        wait_ready(url, proc, startup_timeout)
+    with served(system, port, log_dir, startup_timeout) as url:
         model = model_name(url)
         asyncio.run(embed_all(url, model, items[:32], 8, 2))  # warm-up
         for batch, concurrency in SHAPES:
@@ -101,9 +95,6 @@ def bench_system(system, port: int, items: list[str], rounds: int, log_dir: Path
             shapes[key] = {**best, "rounds": each}
             print(f"  {system.name} {key}: {best['inputs_per_s']:.1f} inputs/s, "
                   f"{best['tokens_per_s']:.0f} tokens/s", flush=True)
-    finally:
-        stop(proc)
-        log.close()
     return {"version": system.version, "command": " ".join(map(str, system.command)),
             "env": system.env, "shapes": shapes, "vectors": vectors}
 

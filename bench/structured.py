@@ -23,12 +23,11 @@ import asyncio
 import datetime as dt
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import jsonschema
 
-from bench.compare import ROOT, free_port, heron, llama_cpp, stop, wait_ready
+from bench.compare import ROOT, free_port, heron, llama_cpp, served
 from bench.loadgen import Request, load_workload, run
 from bench.machine import describe
 
@@ -51,15 +50,10 @@ def people(n: int) -> list[Request]:
 
 
 def measure(system, port: int, args) -> dict:
-    url = f"http://127.0.0.1:{port}"
     log_dir = args.out / f"structured-{dt.date.today().isoformat()}-logs"
     log_dir.mkdir(exist_ok=True)
-    log = (log_dir / f"{system.name}.log").open("a")
-    proc = subprocess.Popen(system.command, env={**os.environ, **system.env}, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
     out = {"version": system.version, "throughput": {}, "validity": {}}
-    try:
-        wait_ready(url, proc, args.startup_timeout)
+    with served(system, port, log_dir, args.startup_timeout) as url:
         top = max(args.concurrency)
         for extra in ({}, json_schema(NEVER_DONE)):  # warm-up, first-call costs
             asyncio.run(run(url, load_workload("short-chat", top, 8), concurrency=top,
@@ -87,9 +81,6 @@ def measure(system, port: int, args) -> dict:
                                        "output_tokens": r["output_tokens"]}
             print(f"  {system.name} c={c}: {valid}/{n} answers valid, "
                   f"{r['requests_per_s']:.2f} req/s", flush=True)
-    finally:
-        stop(proc)
-        log.close()
     return out
 
 
