@@ -2,7 +2,8 @@
 
 ``input`` is a text or texts, token ids or lists of them; each becomes one engine request
 whose prompt the model pools (`heron.core.pooling`), and all of a call's inputs run in the
-same steps. An input longer than the model's context is a 400, never cut. Vectors come back
+same steps. An input longer than the model's context is a 400, cut only when
+``truncate_prompt_tokens`` asks for its last tokens. Vectors come back
 as floats, or with ``encoding_format: "base64"`` (what the openai client asks for unless
 told otherwise) as the base64 of their little-endian float32 bytes.
 """
@@ -45,9 +46,9 @@ async def create_embedding(request: web.Request) -> web.Response:
     adapter = check_model(app, req.model)
     _, inputs = encode_prompts(app, req.input, field="input")
     engine = app[ASYNC_ENGINE].engine
-    inputs = truncate_prompts(inputs, req.truncate_prompt_tokens,
-                              min(engine.max_model_len, engine.kv_capacity))
-    _check_sizes(app, req, inputs, engine.runner.info.hidden_size)
+    limit = min(engine.max_model_len, engine.kv_capacity)  # the most tokens it embeds
+    inputs = truncate_prompts(inputs, req.truncate_prompt_tokens, limit)
+    _check_sizes(app, req, inputs, engine.runner.info.hidden_size, limit)
     params = validated(SamplingParams(max_tokens=1, priority=req.priority),
                        priorities=app[CONFIG].engine.scheduling_policy == "priority")
     async with Generation(request, "embd", inputs, params, adapter=adapter) as gen:
@@ -63,13 +64,11 @@ async def create_embedding(request: web.Request) -> web.Response:
 
 
 def _check_sizes(app: web.Application, req: EmbeddingRequest, inputs: list[list[int]],
-                 width: int) -> None:
+                 width: int, limit: int) -> None:
     if req.dimensions is not None and req.dimensions != width:
         raise bad_request(f"`dimensions` is {req.dimensions}; this model's embeddings have "
                           f"{width} and are not shortened", param="dimensions")
     check_queue_room(app, inputs, "input")
-    engine = app[ASYNC_ENGINE].engine
-    limit = min(engine.max_model_len, engine.kv_capacity)
     for i, ids in enumerate(inputs):
         if len(ids) > limit:
             where = "input" if len(inputs) == 1 else f"input[{i}]"
