@@ -28,7 +28,7 @@ from heron.server.protocol import ChatMessage, ContentPart, FunctionCall, ToolCa
 from heron.server.reasoning import ReasoningParser, ReasoningSplit, plan_thinking
 from heron.server.response_output import OutputBuilder
 from heron.server.response_protocol import (INPUT_ITEMS, Event, FunctionCallItem,
-                                            FunctionCallOutputItem, FunctionChoice,
+                                            FunctionChoice,
                                             IncompleteDetails, InputTokensDetails, MessageItem,
                                             OutputFunctionCall, OutputTokensDetails,
                                             ReasoningItem, Response,
