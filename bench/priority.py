@@ -18,24 +18,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-from bench.compare import ROOT, free_port, stop, wait_ready
+from bench.compare import ROOT, free_port, heron, served
 from bench.loadgen import load_workload, run
 from bench.machine import describe
-
-
-def serve(gguf: Path, port: int, policy: str, args) -> list[str]:
-    return [sys.executable, "-m", "heron.server.cli", "serve", str(gguf), "--port", str(port),
-            "--set", "model.dtype=float32", "--set", f"model.num_threads={args.threads}",
-            "--set", f"engine.max_num_seqs={args.max_seqs}",
-            "--set", f"engine.scheduling_policy={policy}", "--set", "logging.level=warning",
-            "--set", "logging.log_requests=false"]
 
 
 async def loads(url: str, policy: str, args) -> tuple[dict, dict]:
@@ -55,19 +46,13 @@ async def loads(url: str, policy: str, args) -> tuple[dict, dict]:
 
 def measure(gguf: Path, policy: str, args, log_dir: Path) -> dict:
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = (log_dir / f"{policy}.log").open("a")
-    proc = subprocess.Popen(serve(gguf, port, policy, args),
-                            env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_ready(url, proc, args.startup_timeout)
+    system = heron(gguf, port, args.threads, args.max_seqs)
+    system = dataclasses.replace(system, name=policy, command=system.command + [
+        "--set", f"engine.scheduling_policy={policy}"])
+    with served(system, port, log_dir, args.startup_timeout) as url:
         asyncio.run(run(url, load_workload("short-chat", 8, 8), concurrency=8,
                         progress=False))  # warm-up
         batch, urgent = asyncio.run(loads(url, policy, args))
-    finally:
-        stop(proc)
-        log.close()
     row = {"urgent": {k: urgent[k] for k in ("completed", "errors", "ttft_ms", "tpot_ms")},
            "batch": {k: batch[k] for k in ("completed", "errors", "output_tokens_per_s")}}
     print(f"  {policy}: urgent TTFT p50 {urgent['ttft_ms']['p50']:.0f} ms, "

@@ -417,7 +417,7 @@ class Engine:
                              f"engine.max_num_batched_tokens ({engine.max_num_batched_tokens})")
 
     def _check_embeds(self, n: int) -> None:
-        engine, limit = self.config.engine, min(self.max_model_len, self.kv_capacity)
+        engine, limit = self.config.engine, self.max_embedding_len
         if n > limit:
             raise ValueError(f"the input has {n} tokens; this model embeds at most {limit}")
         if not engine.chunked_prefill and n > engine.max_num_batched_tokens:
@@ -428,6 +428,12 @@ class Engine:
     def kv_capacity(self) -> int:
         """The most tokens one sequence's KV can take: the whole pool."""
         return self.num_kv_blocks * self.config.engine.block_size
+
+    @property
+    def max_embedding_len(self) -> int:
+        """The most tokens an embedding model takes in one input: its context, or the KV
+        pool where that is smaller."""
+        return min(self.max_model_len, self.kv_capacity)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free everything it holds. Unknown ids are ignored."""

@@ -45,10 +45,9 @@ async def create_embedding(request: web.Request) -> web.Response:
     req = await decode_body(request, EmbeddingRequest)
     adapter = check_model(app, req.model)
     _, inputs = encode_prompts(app, req.input, field="input")
-    engine = app[ASYNC_ENGINE].engine
-    limit = min(engine.max_model_len, engine.kv_capacity)  # the most tokens it embeds
-    inputs = truncate_prompts(inputs, req.truncate_prompt_tokens, limit)
-    _check_sizes(app, req, inputs, engine.runner.info.hidden_size, limit)
+    inputs = truncate_prompts(inputs, req.truncate_prompt_tokens,
+                              app[ASYNC_ENGINE].engine.max_embedding_len)
+    _check_sizes(app, req, inputs)
     params = validated(SamplingParams(max_tokens=1, priority=req.priority),
                        priorities=app[CONFIG].engine.scheduling_policy == "priority")
     async with Generation(request, "embd", inputs, params, adapter=adapter) as gen:
@@ -63,8 +62,9 @@ async def create_embedding(request: web.Request) -> web.Response:
         return web.Response(body=encode(body), content_type="application/json")
 
 
-def _check_sizes(app: web.Application, req: EmbeddingRequest, inputs: list[list[int]],
-                 width: int, limit: int) -> None:
+def _check_sizes(app: web.Application, req: EmbeddingRequest, inputs: list[list[int]]) -> None:
+    engine = app[ASYNC_ENGINE].engine
+    width, limit = engine.runner.info.hidden_size, engine.max_embedding_len
     if req.dimensions is not None and req.dimensions != width:
         raise bad_request(f"`dimensions` is {req.dimensions}; this model's embeddings have "
                           f"{width} and are not shortened", param="dimensions")

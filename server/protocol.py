@@ -19,6 +19,8 @@ from heron.core.config import MAX_LOGPROBS, MAX_N
 NonNegInt = Annotated[int, Meta(ge=0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Seed = Annotated[int, Meta(ge=-2**63, le=2**63 - 1)]  # int64, as vLLM
+# vLLM's: lower runs first, with engine.scheduling_policy = "priority" (int32, as vLLM)
+Priority = Annotated[int, Meta(ge=-2**31, le=2**31 - 1)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 # NLLB language codes (``eng_Latn``): one for every input, or one per input
 LanguageCodes = str | list[str]
@@ -100,8 +102,7 @@ class SamplingFields(_Body, kw_only=True):
     cache_salt: Annotated[str, Meta(min_length=1)] | None = None
     # false: no speculative drafts for this request (outputs are the same either way)
     speculative: bool = True
-    # vLLM's: lower runs first, with engine.scheduling_policy = "priority"
-    priority: Annotated[int, Meta(ge=-2**31, le=2**31 - 1)] = 0
+    priority: Priority = 0
     # the output matches a JSON schema, a regex, ... (vLLM's, or OpenAI's response_format)
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None
@@ -290,8 +291,7 @@ class EmbeddingRequest(_Body, kw_only=True):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Meta(ge=1)] | None = None
     truncate_prompt_tokens: TruncatePromptTokens = None
-    # vLLM's: lower runs first, with engine.scheduling_policy = "priority"
-    priority: Annotated[int, Meta(ge=-2**31, le=2**31 - 1)] = 0
+    priority: Priority = 0
     user: str | None = None  # accepted and ignored
 
 
