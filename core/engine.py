@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from heron.core.adapter_pool import AdapterPool
+from heron.core.adapters import Adapters
 from heron.core.batch import EncoderChunk
 from heron.core.batch_builder import BatchBuilder
 from heron.core.beam_search import BeamSearch, step_searches
@@ -23,13 +23,14 @@ from heron.core.config import Config
 from heron.core.device import resolve_device, to_device
 from heron.core.grammar import Grammars
 from heron.core.inflight import InflightStep, placeholder
-from heron.core.kv_cache import (allocate_cache, allocate_host_kv, allocate_lora, copy_block_rows,
-                                 copy_blocks, num_kv_blocks_for, num_swap_blocks_for)
-from heron.core.lora import AdapterBusyError, AdapterError, AdapterWeights
+from heron.core.limits import Limits
+from heron.core.kv_cache import (allocate_cache, allocate_host_kv, copy_block_rows, copy_blocks,
+                                 num_kv_blocks_for, num_swap_blocks_for)
+from heron.core.lora import AdapterError, AdapterWeights
 from heron.core.model_loader import load_model
 from heron.core.outputs import RequestOutput
 from heron.core.plugins import PluginManager
-from heron.core.pooling import Pooler, Pooling
+from heron.core.pooling import Pooler, Pooling, embedding_params
 from heron.core.prefix_cache import Namespace, PrefixCache
 from heron.core.request import RequestState, SeqOutput
 from heron.core.logprobs import prompt_logprobs
@@ -72,10 +73,11 @@ class Engine:
         spec = self.runner.cache_spec()
         engine = config.engine
         self.num_kv_blocks = num_kv_blocks_for(spec, engine, self.dtype, self.max_model_len)
-        if spec.kv is not None and self.kv_capacity < self.max_model_len:
+        self.limits = limits = Limits(self.max_model_len, self.num_kv_blocks, engine)
+        if spec.kv is not None and limits.kv_capacity < self.max_model_len:
             log.warning("the KV cache holds %d tokens (engine.num_kv_blocks %d x "
                         "engine.block_size %d), fewer than max_model_len %d: a request that "
-                        "could grow longer is refused", self.kv_capacity, self.num_kv_blocks,
+                        "could grow longer is refused", limits.kv_capacity, self.num_kv_blocks,
                         engine.block_size, self.max_model_len)
         self.cache = allocate_cache(spec, engine, self.num_kv_blocks, engine.max_num_seqs,
                                     self.dtype, self.device)
@@ -111,18 +113,15 @@ class Engine:
             host_pool = BlockPool(num_swap)
         self._share_prompt = stateless
         lora_cfg = config.lora
-        self.adapters: dict[str, AdapterWeights] = {}
-        self._adapter_keys: dict[str, str] = {}  # name -> key of its namespace and slot
-        self._adapter_by_key: dict[str, AdapterWeights] = {}
-        self._adapter_loads = itertools.count()
-        self.adapter_pool = None
+        self.lora: Adapters | None = None
         if lora_cfg.adapters or lora_cfg.allow_runtime_updates:
-            self._lora_targets = self.runner.lora_targets()
-            if not self._lora_targets:
+            targets = self.runner.lora_targets()
+            if not targets:
                 raise ValueError(f"model {info.name!r}: its family takes no LoRA adapters")
-            allocate_lora(self.cache, self._lora_targets, lora_cfg.max_loras,
-                          lora_cfg.max_rank, self.dtype, self.device)
-            self.adapter_pool = AdapterPool(lora_cfg.max_loras)
+            self.lora = Adapters(lora_cfg, targets, self.cache,
+                                 self.plugins.adapter_loaders.get("peft"), self.dtype,
+                                 self.device)
+        self.adapter_pool = self.lora.pool if self.lora is not None else None
         self.scheduler = Scheduler(engine, self.block_pool, self.prefix_cache, host_pool,
                                    cache_cfg.snapshot_admission,
                                    cache_generated=self.runner.generated_matches_prompt,
@@ -220,45 +219,27 @@ class Engine:
 
     # -- adapters ------------------------------------------------------------------------
 
+    @property
+    def adapters(self) -> dict[str, AdapterWeights]:
+        """The loaded LoRA adapters, by name."""
+        return self.lora.by_name if self.lora is not None else {}
+
     def add_adapter(self, name: str, path: str) -> AdapterWeights:
         """Load a LoRA adapter (validated against the model) under ``name``. Raises
         AdapterError naming the adapter and the problem."""
-        if self.adapter_pool is None:
+        if self.lora is None:
             raise AdapterError(f"adapter {name!r}: LoRA is off (set [lora] adapters or "
                                "allow_runtime_updates)")
-        if name in self.adapters:
-            raise AdapterError(f"adapter {name!r} is already loaded")
-        load = self.plugins.adapter_loaders.get("peft")
-        if load is None:
-            raise AdapterError(f"adapter {name!r}: no plugin reads PEFT adapters")
-        weights = load(name, path, self._lora_targets, self.config.lora.max_rank)
-        # NOTE: a fresh key per load: a reloaded adapter never meets its predecessor's KV
-        key = f"{name}@{next(self._adapter_loads)}"
-        self.adapters[name], self._adapter_keys[name] = weights, key
-        self._adapter_by_key[key] = weights
-        return weights
+        return self.lora.add(name, path)
 
     def remove_adapter(self, name: str) -> None:
         """Unload an adapter. KeyError when unknown; AdapterBusyError while requests that
         use it are running or waiting (it does not wait for them)."""
-        key = self._adapter_keys[name]
-        users = sum(1 for s in self._requests.values() if s.seqs[0].namespace.adapter == key)
-        if users:
-            raise AdapterBusyError(f"adapter {name!r} is in use by {users} request(s)")
-        self.adapter_pool.forget(key)
-        del self.adapters[name], self._adapter_keys[name], self._adapter_by_key[key]
-
-    def _load_adapter_slot(self, key: str, slot: int) -> None:
-        weights = self._adapter_by_key[key]
-        for target, (a, b) in self.cache.lora.items():
-            a[:, slot].zero_()
-            b[:, slot].zero_()
-            for i, pair in enumerate(weights.layers.get(target) or ()):
-                if pair is not None:
-                    rank = pair[0].shape[0]
-                    a[i, slot, :rank].copy_(pair[0])
-                    b[i, slot, :rank].copy_(pair[1].T)
-        self.cache.lora_scaling[slot] = weights.scaling
+        if self.lora is None or name not in self.adapters:
+            raise KeyError(name)
+        key = self.lora.key(name)
+        self.lora.remove(name, sum(1 for s in self._requests.values()
+                                   if s.seqs[0].namespace.adapter == key))
 
     # -- requests ------------------------------------------------------------------------
 
@@ -288,18 +269,21 @@ class Engine:
         """
         params = params or SamplingParams()
         if self.pooler is not None:
-            params = _embedding_params(params)
+            params = embedding_params(params)
         params.validate(self.runner.info.vocab_size,
                         priorities=self.config.engine.scheduling_policy == "priority")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         adapter_key = ""
         if adapter is not None:
-            adapter_key = self._adapter_keys.get(adapter, "")
-            if not adapter_key:
-                raise ValueError(f"unknown adapter {adapter!r}; loaded: {sorted(self.adapters)}")
+            if self.lora is None:
+                raise ValueError(f"unknown adapter {adapter!r}: LoRA is off")
+            adapter_key = self.lora.key(adapter)
         prompt_ids = self._encode(prompt)
-        self._check_fits(prompt_ids, params)
+        if self.pooler is not None:
+            self.limits.check_embedding(len(prompt_ids))
+        else:
+            self.limits.check_generation(len(prompt_ids), params.max_tokens)
         encoder_ids = self._encoder_prompt(encoder_prompt)
         if grammar is None:
             grammar = self.compile_grammar(params)
@@ -396,44 +380,6 @@ class Engine:
             raise ValueError(f"the encoder prompt has {len(ids)} tokens; this model encodes "
                              f"at most {runner.max_encoder_len}")
         return tuple(ids)
-
-    def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        n = len(prompt_ids)
-        if self.pooler is not None:
-            return self._check_embeds(n)
-        if n >= self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens; this model's context is "
-                             f"{self.max_model_len} tokens, leaving no room to generate")
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"the model's context of {self.max_model_len} tokens")
-        total = n + (params.max_tokens or self.max_model_len - n)
-        engine = self.config.engine
-        if total > self.kv_capacity:
-            raise ValueError(f"a sequence of {total} tokens needs more KV blocks than the pool "
-                             f"holds ({self.num_kv_blocks} of {engine.block_size} tokens)")
-        if not engine.chunked_prefill and total > engine.max_num_batched_tokens:
-            raise ValueError(f"without chunked prefill, prompt + max_tokens ({total}) must fit "
-                             f"engine.max_num_batched_tokens ({engine.max_num_batched_tokens})")
-
-    def _check_embeds(self, n: int) -> None:
-        engine, limit = self.config.engine, self.max_embedding_len
-        if n > limit:
-            raise ValueError(f"the input has {n} tokens; this model embeds at most {limit}")
-        if not engine.chunked_prefill and n > engine.max_num_batched_tokens:
-            raise ValueError(f"without chunked prefill, an input ({n} tokens) must fit "
-                             f"engine.max_num_batched_tokens ({engine.max_num_batched_tokens})")
-
-    @property
-    def kv_capacity(self) -> int:
-        """The most tokens one sequence's KV can take: the whole pool."""
-        return self.num_kv_blocks * self.config.engine.block_size
-
-    @property
-    def max_embedding_len(self) -> int:
-        """The most tokens an embedding model takes in one input: its context, or the KV
-        pool where that is smaller."""
-        return min(self.max_model_len, self.kv_capacity)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free everything it holds. Unknown ids are ignored."""
@@ -578,7 +524,7 @@ class Engine:
         for seq, snapshot in sched.restores:
             self.states.restore(seq, snapshot)
         for key, slot in sched.adapter_loads:
-            self._load_adapter_slot(key, slot)
+            self.lora.load_slot(key, slot)
         if self.states is not None and self.proposer is not None:
             for item in sched.scheduled:
                 if item.seq.draft_token_ids:
@@ -931,15 +877,3 @@ class Engine:
                 raise RuntimeError("engine idle with unfinished requests")
         return [results[rid] for rid in ids]
 
-
-def _embedding_params(params: SamplingParams) -> SamplingParams:
-    """What an embedding request runs with: its prompt and nothing to generate."""
-    asks = [name for name, on in (("n", params.n != 1), ("num_beams", params.num_beams != 1),
-                                  ("logprobs", params.logprobs is not None),
-                                  ("prompt_logprobs", params.prompt_logprobs is not None),
-                                  ("structured_outputs", params.structured_outputs is not None))
-            if on]
-    if asks:
-        raise ValueError(f"an embedding model generates nothing: {', '.join(asks)} does not "
-                         "apply")
-    return SamplingParams(max_tokens=1, priority=params.priority)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from heron.core.config import ConfigError, ModelConfig
+from heron.core.sampling_params import SamplingParams
 
 # sentence-transformers' Pooling config: the modes heron pools with (others are refused)
 _ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
@@ -132,3 +133,16 @@ class Pooler:
     @property
     def num_partial(self) -> int:
         return len(self._partial)
+
+
+def embedding_params(params: SamplingParams) -> SamplingParams:
+    """What an embedding request runs with: its prompt and nothing to generate."""
+    asks = [name for name, on in (("n", params.n != 1), ("num_beams", params.num_beams != 1),
+                                  ("logprobs", params.logprobs is not None),
+                                  ("prompt_logprobs", params.prompt_logprobs is not None),
+                                  ("structured_outputs", params.structured_outputs is not None))
+            if on]
+    if asks:
+        raise ValueError(f"an embedding model generates nothing: {', '.join(asks)} does not "
+                         "apply")
+    return SamplingParams(max_tokens=1, priority=params.priority)

@@ -206,7 +206,8 @@ def check_fits(app: web.Application, prompt_ids: list[int], max_tokens: int | No
         raise bad_request(f"`{param}` ({len(prompt_ids)} tokens) + `{max_tokens_param}` "
                           f"({max_tokens}) exceeds this model's context of {limit} tokens",
                           param=max_tokens_param, code="context_length_exceeded")
-    capacity = app[ASYNC_ENGINE].engine.kv_capacity  # below the context when configured so
+    # below the context when so configured
+    capacity = app[ASYNC_ENGINE].engine.limits.kv_capacity
     room = capacity - len(prompt_ids)
     if room < 1:
         raise bad_request(f"`{param}` is {len(prompt_ids)} tokens; this server's KV cache "

@@ -46,7 +46,7 @@ async def create_embedding(request: web.Request) -> web.Response:
     adapter = check_model(app, req.model)
     _, inputs = encode_prompts(app, req.input, field="input")
     inputs = truncate_prompts(inputs, req.truncate_prompt_tokens,
-                              app[ASYNC_ENGINE].engine.max_embedding_len)
+                              app[ASYNC_ENGINE].engine.limits.max_embedding_len)
     _check_sizes(app, req, inputs)
     params = validated(SamplingParams(max_tokens=1, priority=req.priority),
                        priorities=app[CONFIG].engine.scheduling_policy == "priority")
@@ -64,7 +64,7 @@ async def create_embedding(request: web.Request) -> web.Response:
 
 def _check_sizes(app: web.Application, req: EmbeddingRequest, inputs: list[list[int]]) -> None:
     engine = app[ASYNC_ENGINE].engine
-    width, limit = engine.runner.info.hidden_size, engine.max_embedding_len
+    width, limit = engine.runner.info.hidden_size, engine.limits.max_embedding_len
     if req.dimensions is not None and req.dimensions != width:
         raise bad_request(f"`dimensions` is {req.dimensions}; this model's embeddings have "
                           f"{width} and are not shortened", param="dimensions")

@@ -135,7 +135,7 @@ def test_five_adapters_through_two_slots(setup):
     check(setup, jobs, run_together(engine, jobs))
     assert max(adapters_per_step) == 2  # never more adapters in a step than slots
     assert pool.num_referenced == 0
-    assert all(pool.refcount(key) == 0 for key in engine._adapter_keys.values())
+    assert all(pool.refcount(key) == 0 for key in map(engine.lora.key, names))
     assert_no_leaks(engine)
     for name in names:  # unloading every adapter frees every slot
         engine.remove_adapter(name)
