@@ -145,6 +145,7 @@ class ServerConfig(_Section):
     drain_timeout_s: float = 30.0
     tool_call_parser: str = ""
     reasoning_parser: str = ""
+    max_stored_responses: int = 1024  # /v1/responses kept for previous_response_id; 0: none
 
     @property
     def key_tenants(self) -> list[tuple[str, str]]:
@@ -182,6 +183,7 @@ class ServerConfig(_Section):
             ("request_timeout_s", self.request_timeout_s is None or self.request_timeout_s > 0,
              "must be > 0"),
             ("drain_timeout_s", self.drain_timeout_s >= 0, "must be >= 0"),
+            ("max_stored_responses", self.max_stored_responses >= 0, "must be >= 0"),
             ("tool_call_parser", self.tool_call_parser in ("", "hermes"),
              'must be "" or "hermes"'),
             ("reasoning_parser", self.reasoning_parser in ("", "deepseek_r1", "qwen3"),

@@ -12,12 +12,13 @@ from heron.core.async_engine import AsyncEngine
 from heron.core.config import Config
 from heron.core.engine import Engine
 from heron.server.appkeys import (ADAPTER_LOCK, ASYNC_ENGINE, CONFIG, CREATED_AT, METRICS,
-                                  MODEL_NAME, REASONING, TOKEN_TEXTS)
+                                  MODEL_NAME, REASONING, RESPONSE_STORE, TOKEN_TEXTS)
 from heron.server.errors import error_middleware
 from heron.server.logprob_format import TokenTexts
 from heron.server.metrics import Metrics
 from heron.server.middleware import auth_middleware, echo_request_id, request_id_middleware
 from heron.server.reasoning import reasoning_parser
+from heron.server.response_store import ResponseStore
 from heron.server.routes import setup_routes
 from heron.server.translation_jobs import check_language_defaults
 
@@ -33,6 +34,7 @@ def create_app(config: Config, *, engine: Engine | None = None) -> web.Applicati
                      auth_middleware(config.server)])
     app[CONFIG] = config
     app[ADAPTER_LOCK] = asyncio.Lock()
+    app[RESPONSE_STORE] = ResponseStore(config.server.max_stored_responses)
     app.cleanup_ctx.append(_engine_context(engine))
     app.on_response_prepare.append(echo_request_id)
     setup_routes(app)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import re
 
 import msgspec
 
@@ -23,8 +24,12 @@ ROUTES = (
      res.CompletionResponse, True),
     ("post", "/v1/chat/completions", "Chat completion", req.ChatCompletionRequest,
      res.ChatCompletionResponse, True),
-    ("post", "/v1/responses", "Responses API (nothing is stored: send the whole conversation "
-     "as `input`)", resp_api.ResponsesRequest, resp_api.Response, True),
+    ("post", "/v1/responses", "Responses API (kept for `previous_response_id` unless "
+     "`store: false`)", resp_api.ResponsesRequest, resp_api.Response, True),
+    ("get", "/v1/responses/{response_id}", "A stored response", None, resp_api.Response,
+     False),
+    ("delete", "/v1/responses/{response_id}", "Drop a stored response", None,
+     resp_api.ResponseDeleted, False),
     ("post", "/v1/embeddings", "Embeddings (embedding models: `model.task = \"embed\"`)",
      req.EmbeddingRequest, res.EmbeddingResponse, False),
     ("post", "/v1/translations", "Translation (translation models: `src_lang` and `tgt_lang` "
@@ -71,9 +76,9 @@ def openapi_document() -> bytes:
                                   "default": error}}
         if body is not None:
             op["requestBody"] = {"required": True, "content": _json_content(by_type[body])}
-        if "{model}" in path:
-            op["parameters"] = [{"name": "model", "in": "path", "required": True,
-                                 "schema": {"type": "string"}}]
+        if names := re.findall(r"\{(\w+)\}", path):
+            op["parameters"] = [{"name": name, "in": "path", "required": True,
+                                 "schema": {"type": "string"}} for name in names]
         if path in OPEN_PATHS:
             op["security"] = []
         paths.setdefault(path, {})[method] = op

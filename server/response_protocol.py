@@ -73,15 +73,14 @@ class ResponsesRequest(SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's, as in chat
     prompt_cache_key: str | None = None  # accepted: the prefix cache needs no key
     safety_identifier: str | None = None
+    previous_response_id: str | None = None  # a stored response this one continues
     # refused by name (see `unsupported_field`)
-    previous_response_id: str | None = None
     background: bool | None = None
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
 
     def unsupported_field(self) -> str | None:
         refused = (
-            ("previous_response_id", self.previous_response_id is not None),  # none are kept
             ("background", bool(self.background)),
             ("max_tool_calls", self.max_tool_calls is not None),
             ("top_logprobs", bool(self.top_logprobs)),
@@ -213,8 +212,8 @@ class IncompleteDetails(_Out, kw_only=True):
 
 
 class Response(_Out, kw_only=True):
-    """The request's settings come back beside the output, as OpenAI's do. Nothing is
-    stored: ``store`` is always false, and ``previous_response_id`` is refused."""
+    """The request's settings come back beside the output, as OpenAI's do. ``store``: whether
+    the server keeps it (`heron.server.response_store`)."""
 
     id: str
     object: Literal["response"] = "response"
@@ -235,10 +234,16 @@ class Response(_Out, kw_only=True):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     metadata: dict[str, str] | None = None
-    previous_response_id: None = None
+    previous_response_id: str | None = None
     store: bool = False
     truncation: Literal["disabled"] = "disabled"
     user: str | None = None
+
+
+class ResponseDeleted(_Out, kw_only=True):
+    id: str
+    object: Literal["response.deleted"] = "response.deleted"
+    deleted: bool = True
 
 
 # -- the stream's events -----------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""POST /v1/responses: OpenAI's Responses API over the chat machinery.
+"""/v1/responses: OpenAI's Responses API over the chat machinery.
 
 ``instructions`` and the ``input`` items become chat messages for the model's template: a
 message as itself, function calls as an assistant message's ``tool_calls``, their outputs
@@ -8,7 +8,12 @@ reasoning parser work as in chat (`heron.server.tools`, `heron.server.reasoning`
 output is a ``reasoning`` item (the thinking, with a parser), then a ``message`` or the
 function calls; a stream sends the events that build them (`heron.server.response_output`),
 between ``response.created`` / ``response.in_progress`` and ``response.completed`` (or
-``response.incomplete`` when ``max_output_tokens`` cut the output). Nothing is stored.
+``response.incomplete`` when ``max_output_tokens`` cut the output).
+
+A finished response is kept unless the request says ``store: false``
+(`heron.server.response_store`): ``previous_response_id`` continues its conversation (the
+earlier items come before ``input``; its ``instructions`` do not carry over, as in
+OpenAI's API), and ``GET`` / ``DELETE /v1/responses/{id}`` read and drop it.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ from aiohttp import web
 
 from heron.core.sampling_params import StructuredOutput
 from heron.server.admission import chat_prompt, check_fits, check_request, sampling_params
-from heron.server.appkeys import CONFIG, REASONING
+from heron.server.appkeys import CONFIG, REASONING, RESPONSE_STORE
 from heron.server.embeddings import refuse_embedding_model
-from heron.server.errors import bad_request, decode_body, from_decode_error
+from heron.server.errors import APIError, bad_request, decode_body, from_decode_error
 from heron.server.generation import Choice, Generation
+from heron.server.middleware import tenant_of
 from heron.server.protocol import ChatMessage, ContentPart, FunctionCall, ToolCallIn
 from heron.server.reasoning import ReasoningParser, ReasoningSplit, plan_thinking
 from heron.server.response_output import OutputBuilder
@@ -32,10 +38,11 @@ from heron.server.response_protocol import (INPUT_ITEMS, Event, FunctionCallItem
                                             IncompleteDetails, InputTokensDetails, MessageItem,
                                             OutputFunctionCall, OutputTokensDetails,
                                             ReasoningItem, Response,
-                                            ResponseCompleted, ResponseCreated,
+                                            ResponseCompleted, ResponseCreated, ResponseDeleted,
                                             ResponseIncomplete, ResponseInProgress,
                                             ResponsesRequest, ResponseUsage, TextConfig,
                                             TextFormat)
+from heron.server.response_store import Item, StoredResponse
 from heron.server.sse import EventStream
 from heron.server.tools import CallHold, ToolPlan, new_call_id, plan_tools
 from heron.server.translation_jobs import refuse_translation_model
@@ -47,7 +54,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     adapter = check_request(app, req)
     refuse_translation_model(app, "/v1/responses")
     refuse_embedding_model(app, "/v1/responses")
-    messages = conversation(req)
+    earlier = _earlier(request, req.previous_response_id)
+    messages = conversation(req, earlier)
     fmt = req.text.format if req.text is not None else None
     formatted = fmt is not None and fmt.type != "text"
     choice = req.tool_choice
@@ -65,19 +73,72 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     thinking = plan_thinking(app[REASONING], prompt_ids, params)
     async with Generation(request, "resp", [prompt_ids], params, req.cache_salt,
                           adapter=adapter) as gen:
-        answer = _Answer(req, gen, tools, app[REASONING], thinking)
+        answer = _Answer(req, gen, tools, app[REASONING], thinking,
+                         stored=req.store is not False and app[RESPONSE_STORE].capacity > 0)
         if req.stream:
-            return await _stream(request, answer)
+            return await _stream(request, answer, earlier)
         await gen.run_to_end()
         if (error := gen.failure()) is not None:
             raise error
         c = gen.choices[(0, 0)]
         answer.feed(c.text, c.finish_reason)
-        return web.Response(body=msgspec.json.encode(answer.final(c).response),
+        final = answer.final(c)
+        _keep(request, final.response, earlier, req)
+        return web.Response(body=msgspec.json.encode(final.response),
                             content_type="application/json")
 
 
-async def _stream(request: web.Request, answer: _Answer) -> web.StreamResponse:
+async def retrieve_response(request: web.Request) -> web.Response:
+    """GET /v1/responses/{response_id}: a stored response of this tenant's, or a 404."""
+    stored = request.app[RESPONSE_STORE].get(tenant_of(request),
+                                             request.match_info["response_id"])
+    if stored is None:
+        raise _not_found(request.match_info["response_id"])
+    return web.Response(body=msgspec.json.encode(stored.response),
+                        content_type="application/json")
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    """DELETE /v1/responses/{response_id}: drop a stored response of this tenant's (the
+    responses that continue it keep their conversations)."""
+    response_id = request.match_info["response_id"]
+    if not request.app[RESPONSE_STORE].delete(tenant_of(request), response_id):
+        raise _not_found(response_id)
+    return web.Response(body=msgspec.json.encode(ResponseDeleted(id=response_id)),
+                        content_type="application/json")
+
+
+def _not_found(response_id: str) -> APIError:
+    return APIError(404, f"no stored response has the id {response_id!r}",
+                    code="response_not_found")
+
+
+def _earlier(request: web.Request, previous_id: str | None) -> tuple[Item, ...]:
+    """The conversation items of the stored response ``previous_id`` continues (none when
+    it is None); a 400 when this tenant has no such response."""
+    if previous_id is None:
+        return ()
+    stored = request.app[RESPONSE_STORE].get(tenant_of(request), previous_id)
+    if stored is None:
+        raise bad_request(f"Previous response with id {previous_id!r} not found (responses "
+                          "sent with `store: false`, deleted ones, and the least recently "
+                          "used past `server.max_stored_responses` are not kept)",
+                          param="previous_response_id", code="previous_response_not_found")
+    return stored.conversation
+
+
+def _keep(request: web.Request, response: Response, earlier: tuple[Item, ...],
+          req: ResponsesRequest) -> None:
+    """Store a finished ``response`` that says so, with its conversation: the earlier
+    items, this request's input, and its output."""
+    if response.store:
+        output = tuple(msgspec.to_builtins(item) for item in response.output)
+        request.app[RESPONSE_STORE].put(tenant_of(request), StoredResponse(
+            response, (*earlier, *input_items(req), *output)))
+
+
+async def _stream(request: web.Request, answer: _Answer,
+                  earlier: tuple[Item, ...]) -> web.StreamResponse:
     events = EventStream(request)
     numbers = itertools.count()
 
@@ -95,7 +156,9 @@ async def _stream(request: web.Request, answer: _Answer) -> web.StreamResponse:
                     return None
                 for event in answer.feed(sd.text, sd.finish_reason):
                     await send(event)
-        await send(answer.final(answer.gen.choices[(0, 0)]))
+        final = answer.final(answer.gen.choices[(0, 0)])
+        _keep(request, final.response, earlier, answer.req)
+        await send(final)
         return None
 
     return await events.run(produce)
@@ -110,16 +173,21 @@ def _format_grammar(fmt) -> StructuredOutput:
     return StructuredOutput(json=fmt.schema)
 
 
-def conversation(req: ResponsesRequest) -> list[ChatMessage]:
-    """The chat messages of ``instructions`` and ``input``; 400s name the item at fault."""
+def input_items(req: ResponsesRequest) -> list[Item]:
+    """``input`` as a list of items (a string is one user message)."""
+    return [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+
+
+def conversation(req: ResponsesRequest, earlier: tuple[Item, ...] = ()) -> list[ChatMessage]:
+    """The chat messages of ``instructions``, the ``earlier`` items of a stored conversation
+    and ``input``; 400s name the item of ``input`` at fault."""
     messages = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
-    if isinstance(req.input, str):
-        return messages + [ChatMessage(role="user", content=req.input)]
-    if not req.input and not messages:
+    items = input_items(req)
+    if not items and not messages and not earlier:
         raise bad_request("`input` must not be empty", param="input")
     thought: str | None = None  # a reasoning item's, for the assistant turn after it
-    for i, raw in enumerate(req.input):
-        item = _item(i, raw)
+    for i, raw in enumerate((*earlier, *items), start=-len(earlier)):
+        item = _item(i, raw)  # earlier items were checked when they came: i >= 0 at fault
         if isinstance(item, ReasoningItem):
             thought = "".join(p.text for p in item.content or item.summary)
         elif isinstance(item, MessageItem):
@@ -164,8 +232,9 @@ class _Answer:
     answer as a message or as function calls (`OutputBuilder`)."""
 
     def __init__(self, req: ResponsesRequest, gen: Generation, tools: ToolPlan | None,
-                 parser: ReasoningParser | None, thinking: bool | None) -> None:
-        self.req, self.gen, self.tools = req, gen, tools
+                 parser: ReasoningParser | None, thinking: bool | None, *,
+                 stored: bool) -> None:
+        self.req, self.gen, self.tools, self.stored = req, gen, tools, stored
         self.parser, self.thinking = parser, thinking
         self.split = ReasoningSplit(thinking)
         self.mode = tools.mode if tools is not None else "none"
@@ -234,5 +303,5 @@ class _Answer:
             temperature=req.temperature, top_p=req.top_p,
             tool_choice=choice if choice is not None else ("auto" if req.tools else "none"),
             tools=req.tools or [], text=req.text or TextConfig(format=TextFormat(type="text")),
-            reasoning=req.reasoning,
-            metadata=req.metadata, user=req.user)
+            reasoning=req.reasoning, metadata=req.metadata, user=req.user,
+            previous_response_id=req.previous_response_id, store=self.stored)

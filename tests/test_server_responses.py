@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import openai
 import pytest
 
 from heron.core.engine import Engine
@@ -78,7 +79,7 @@ def test_text_answer_whole_and_streamed(plain, oracle):
     assert out.output_text == text and len(out.output) == 1
     assert out.usage.input_tokens == len(prompt) and out.usage.output_tokens == MAX_TOKENS
     assert out.usage.total_tokens == len(prompt) + MAX_TOKENS
-    assert out.output[0].status == "incomplete" and out.store is False
+    assert out.output[0].status == "incomplete" and out.store is True
     types, texts, final = replay(respond(plain, instructions="Be brief.", stream=True))
     assert types[:4] == ["response.created", "response.in_progress",
                          "response.output_item.added", "response.content_part.added"]
@@ -227,3 +228,88 @@ def test_an_answer_goes_back_as_input_the_way_agents_loop(r1, oracle):
                        "name": "add", "arguments": json.loads(call.arguments)}}]},
             {"role": "tool", "tool_call_id": call.call_id, "content": "4"}]
     assert out.usage.input_tokens == len(oracle.prompt(chat, OPEN, tools=[TOOL]))
+
+
+def test_previous_response_id_continues_the_stored_conversation(r1, oracle):
+    """Each turn sends only its new input: the prompt is what transformers renders of the
+    whole conversation (the earlier thinking and answers included, the earlier
+    instructions not), and the answer is its greedy continuation. A streamed response is
+    stored as a whole one is."""
+    first = respond(r1, instructions="Be brief.", **biased(oracle, OPEN))
+    assert first.store and [item.type for item in first.output] == ["reasoning", "message"]
+    chat = [*ASK, _turn(first)]
+    for turn, question in enumerate(["And 3 + 3?", "Thanks"]):
+        chat.append({"role": "user", "content": question})
+        kept = respond(r1, previous_response_id=first.id, input=question, stream=turn == 0,
+                       instructions="Be kind.", **biased(oracle, OPEN))
+        if turn == 0:
+            *_, kept = replay(kept)
+        prompt = oracle.prompt([{"role": "system", "content": "Be kind."}, *chat], OPEN)
+        assert kept.usage.input_tokens == len(prompt)
+        assert _turn(kept) == _turn(oracle.text(prompt).partition("</think>")[::2])
+        assert kept.previous_response_id == first.id and kept.store
+        chat.append(_turn(kept))
+        first = kept
+
+
+def _turn(answer) -> dict:
+    """The assistant message of a response, or of transformers' (thinking, answer)."""
+    if isinstance(answer, tuple):
+        thought, text = answer
+    else:
+        thought = "".join(part.text for item in answer.output if item.type == "reasoning"
+                          for part in item.content)
+        text = answer.output_text
+    return {"role": "assistant", "content": text,
+            **({"reasoning_content": thought} if thought else {})}
+
+
+def test_stored_responses_are_read_and_deleted_by_id(plain):
+    client = plain.client()
+    out = respond(plain, max_output_tokens=4)
+    assert client.responses.retrieve(out.id).model_dump() == out.model_dump()
+    later = respond(plain, previous_response_id=out.id, input="Thanks", max_output_tokens=4)
+    status, _, raw = plain.http("DELETE", f"/v1/responses/{out.id}")
+    assert status == 200 and json.loads(raw) == {"id": out.id, "object": "response.deleted",
+                                                 "deleted": True}
+    for method in ("GET", "DELETE"):
+        status, _, raw = plain.http(method, f"/v1/responses/{out.id}")
+        assert status == 404 and json.loads(raw)["error"]["type"] == "not_found_error"
+    # a response that continued the deleted one keeps the whole conversation
+    last = respond(plain, previous_response_id=later.id, input="Bye", max_output_tokens=1)
+    assert last.usage.input_tokens > later.usage.input_tokens + later.usage.output_tokens
+    unkept = respond(plain, store=False, max_output_tokens=4)
+    assert unkept.store is False
+    status, _, raw = plain.http("GET", f"/v1/responses/{unkept.id}")
+    assert status == 404
+    for gone in (out.id, unkept.id):
+        status, _, raw = plain.http("POST", "/v1/responses", {
+            "model": "tiny", "input": "hi", "previous_response_id": gone})
+        error = json.loads(raw)["error"]
+        assert status == 400 and error["code"] == "previous_response_not_found", error
+        assert error["param"] == "previous_response_id"
+
+
+def test_each_tenant_sees_its_own_responses_and_the_store_keeps_the_newest(model_dir):
+    tenants = {"acme": ["key-a"], "globex": ["key-g"]}
+    with serve(model_dir, **{"server.tenants": tenants, "server.max_stored_responses": 2}) as s:
+        acme, globex = s.client("key-a"), s.client("key-g")
+        ask = {"model": "tiny", "input": "hi", "max_output_tokens": 1}
+        a1, a2 = (acme.responses.create(**ask) for _ in range(2))
+        with pytest.raises(openai.NotFoundError):
+            globex.responses.retrieve(a1.id)
+        with pytest.raises(openai.BadRequestError) as refused:
+            globex.responses.create(**ask, previous_response_id=a1.id)
+        assert refused.value.code == "previous_response_not_found"
+        with pytest.raises(openai.NotFoundError):
+            globex.responses.delete(a1.id)
+        acme.responses.retrieve(a1.id)  # now the most recently used: a2 goes first
+        acme.responses.create(**ask)
+        assert acme.responses.retrieve(a1.id).id == a1.id
+        with pytest.raises(openai.NotFoundError):
+            acme.responses.retrieve(a2.id)
+    with serve(model_dir, **{"server.max_stored_responses": 0}) as s:
+        out = s.client().responses.create(**ask)
+        assert out.store is False
+        with pytest.raises(openai.NotFoundError):
+            s.client().responses.retrieve(out.id)

@@ -1,0 +1,55 @@
+"""Finished responses kept for ``previous_response_id`` and ``GET``/``DELETE
+/v1/responses/{id}``: in memory, the newest ``server.max_stored_responses`` of them (least
+recently used first out), each seen only by the tenant whose request made it.
+
+An entry holds its response and the whole conversation up to it as input items: the
+previous response's items, this request's input, this response's output. Items are shared
+between the entries of one conversation (a tuple of references), so a long conversation
+costs its text once, and dropping an entry never breaks the entries that continue it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from heron.server.response_protocol import Response
+
+Item = dict[str, Any]  # an input item, as `heron.server.responses_api.conversation` reads it
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    response: Response
+    conversation: tuple[Item, ...]  # instructions are not in it: they do not carry over
+
+
+class ResponseStore:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, tenant: str, stored: StoredResponse) -> bool:
+        """Keep ``stored`` (dropping the least recently used past the capacity); False when
+        the store is off (capacity 0)."""
+        if not self.capacity:
+            return False
+        key = (tenant, stored.response.id)
+        self._entries[key] = stored
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+        return True
+
+    def get(self, tenant: str, response_id: str) -> StoredResponse | None:
+        stored = self._entries.get((tenant, response_id))
+        if stored is not None:
+            self._entries.move_to_end((tenant, response_id))
+        return stored
+
+    def delete(self, tenant: str, response_id: str) -> bool:
+        return self._entries.pop((tenant, response_id), None) is not None
