@@ -129,6 +129,12 @@ def check_queue_room(app: web.Application, prompts: list[list[int]], field: str)
 _CONTENT_REQUIRED = ("system", "developer", "user", "tool")  # as OpenAI's API
 
 
+def template_kwargs(effort: str | None, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The chat template's variables of a request: its ``chat_template_kwargs``, and its
+    reasoning effort as ``reasoning_effort`` unless those set it."""
+    return {**({"reasoning_effort": effort} if effort else {}), **(kwargs or {})}
+
+
 def chat_prompt(app: web.Application, messages: list[ChatMessage], *,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 add_special_tokens: bool = False,

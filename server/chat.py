@@ -13,7 +13,8 @@ from aiohttp import web
 from msgspec import UNSET
 
 from heron.server.admission import (chat_prompt, check_fits, check_request, constrained_by,
-                                    returns_token_ids, sampling_params, truncate_prompts)
+                                    returns_token_ids, sampling_params, template_kwargs,
+                                    truncate_prompts)
 from heron.server.appkeys import ASYNC_ENGINE, CONFIG, REASONING, TOKEN_TEXTS
 from heron.server.embeddings import refuse_embedding_model
 from heron.server.errors import bad_request, decode_body
@@ -46,7 +47,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                        constrained_by(req))
     prompt_ids = chat_prompt(app, req.messages, add_generation_prompt=req.add_generation_prompt,
                              continue_final_message=req.continue_final_message,
-                             template_kwargs=req.chat_template_kwargs,
+                             template_kwargs=template_kwargs(req.reasoning_effort,
+                                                             req.chat_template_kwargs),
                              tools=tools.template_tools if tools else None)
     prompt_ids, = truncate_prompts([prompt_ids], req.truncate_prompt_tokens,
                                    app[ASYNC_ENGINE].engine.max_model_len)

@@ -256,6 +256,12 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     # add_generation_prompt false
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # to the chat template as `reasoning_effort` (gpt-oss's reads it; most ignore it)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # accepted and ignored
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prompt_cache_key: str | None = None  # the prefix cache needs no key
+    safety_identifier: str | None = None
     tools: list[Tool] | None = None
     # unset: "auto" with tools, "none" without
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -48,8 +48,8 @@ class FunctionChoice(_Body, kw_only=True):
 
 
 class ReasoningConfig(_Body, kw_only=True):
-    """Accepted and ignored: whether and how long a model thinks is its chat template's
-    (and its own) business here."""
+    """``effort`` goes to the chat template as ``reasoning_effort`` (as chat's field does);
+    the summaries are not written."""
 
     effort: str | None = None
     summary: str | None = None

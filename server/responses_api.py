@@ -24,7 +24,8 @@ import msgspec
 from aiohttp import web
 
 from heron.core.sampling_params import StructuredOutput
-from heron.server.admission import chat_prompt, check_fits, check_request, sampling_params
+from heron.server.admission import (chat_prompt, check_fits, check_request, sampling_params,
+                                    template_kwargs)
 from heron.server.appkeys import CONFIG, REASONING, RESPONSE_STORE
 from heron.server.embeddings import refuse_embedding_model
 from heron.server.errors import APIError, bad_request, decode_body, from_decode_error
@@ -63,7 +64,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     tools = plan_tools(req.tools, choice if named is None else None, named,
                        req.parallel_tool_calls, app[CONFIG].server.tool_call_parser,
                        "text.format" if formatted else None)
-    prompt_ids = chat_prompt(app, messages, template_kwargs=req.chat_template_kwargs,
+    effort = req.reasoning.effort if req.reasoning is not None else None
+    prompt_ids = chat_prompt(app, messages,
+                             template_kwargs=template_kwargs(effort, req.chat_template_kwargs),
                              tools=tools.template_tools if tools else None)
     check_fits(app, prompt_ids, req.max_output_tokens, "input", "max_output_tokens")
     structured = (tools.structured if tools else None) or (_format_grammar(fmt) if formatted

@@ -18,6 +18,8 @@ from tests.server_utils import ServerThread, server_config
 from tests.tiny_models import build_tiny
 
 TEMPLATE = (
+    "{%- if reasoning_effort is defined %}<s>system: reasoning {{ reasoning_effort }}\n"
+    "{% endif %}"
     "{%- if tools %}<s>system: tools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
     "{% endif %}"
     "{%- for m in messages %}"
@@ -221,3 +223,24 @@ def test_earlier_thinking_in_the_history_reaches_the_template(r1, oracle):
                                   history[2]], OPEN)
         out = chat(r1, oracle, OPEN, messages=history, max_tokens=1)
         assert out.usage.prompt_tokens == len(expected), field
+
+
+def test_reasoning_effort_reaches_the_template(r1, oracle):
+    """Chat's `reasoning_effort` and the Responses API's `reasoning.effort` render as the
+    template's `reasoning_effort`; `chat_template_kwargs` setting it wins."""
+    client = r1
+
+    def prompt_of(kwargs=None, **kw):
+        extra = {"return_token_ids": True, **({"chat_template_kwargs": kwargs} if kwargs else {})}
+        return client.chat.completions.create(model="tiny", messages=ASK, max_tokens=1,
+                                              extra_body=extra, **kw).prompt_token_ids
+
+    assert prompt_of(reasoning_effort="high") == oracle.prompt(ASK, {"reasoning_effort": "high"})
+    assert prompt_of({"reasoning_effort": "low"}, reasoning_effort="high") == oracle.prompt(
+        ASK, {"reasoning_effort": "low"})
+    assert prompt_of() == oracle.prompt(ASK)
+    minimal = oracle.prompt(ASK, {"reasoning_effort": "minimal"})
+    assert len(minimal) != len(oracle.prompt(ASK))
+    out = client.responses.create(model="tiny", input=ASK[0]["content"], max_output_tokens=1,
+                                  reasoning={"effort": "minimal"})
+    assert out.usage.input_tokens == len(minimal) and out.reasoning.effort == "minimal"
