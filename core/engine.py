@@ -28,7 +28,7 @@ from heron.core.kv_cache import (allocate_cache, allocate_host_kv, copy_block_ro
                                  num_kv_blocks_for, num_swap_blocks_for)
 from heron.core.lora import AdapterError, AdapterWeights
 from heron.core.model_loader import load_model
-from heron.core.outputs import RequestOutput
+from heron.core.outputs import NO_TOKEN_LEFT, RequestOutput
 from heron.core.plugins import PluginManager
 from heron.core.pooling import Pooler, Pooling, embedding_params
 from heron.core.prefix_cache import Namespace, PrefixCache
@@ -669,6 +669,8 @@ class Engine:
         out = self._outputs[seq.seq_id]
         if i in result.failed_rows:
             out.finish("error", error="the model produced non-finite logits")
+        elif i in result.no_token_rows:
+            out.finish("error", error=NO_TOKEN_LEFT)
         else:
             token = result.token_ids[i]
             seq.token_ids.append(token)

@@ -8,6 +8,11 @@ import torch
 
 from heron.core.logprobs import TokenLogprobs
 
+# The error of a sequence whose request's own restrictions left no token to sample: the
+# request's fault (the server answers 400), not the engine's
+NO_TOKEN_LEFT = ("no token is left to sample: allowed_token_ids, bad_words and the "
+                 "structured output together exclude every token")
+
 
 @dataclass
 class CompletionOutput:

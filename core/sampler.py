@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,10 @@ from heron.core.sequence import Sequence
 # them can overflow to inf and turn the softmax into NaN, and the result would be argmax anyway.
 GREEDY_TEMPERATURE_EPS = 1e-5
 
+# What a row samples instead of a token: its raw logits were unusable, or its request's own
+# restrictions left no token
+FAILED, NO_TOKEN = -1, -2
+
 # Floor for the exponential noise: torch's exponential_ can return exactly 0 on some
 # backends (pytorch#22557), and 0/0 would make argmax pick a token of probability zero.
 _MIN_NOISE = torch.finfo(torch.float32).tiny
@@ -27,10 +31,12 @@ _MIN_NOISE = torch.finfo(torch.float32).tiny
 class SamplerOutput:
     """The sampler's answer for one batch; lists are in row order.
 
-    ``token_ids[i]`` is the token chosen for row ``i``, or ``-1`` for a failed row.
+    ``token_ids[i]`` is the token chosen for row ``i``, ``-1`` for a failed row, or ``-2``
+    for a row with no token left.
     ``failed_rows`` lists, ascending, the rows whose raw logits were unusable (a NaN or a
-    ``+inf`` anywhere, or every entry ``-inf``); the engine should finish those sequences
-    with an error instead of emitting a token.
+    ``+inf`` anywhere, or every entry ``-inf``); ``no_token_rows`` those whose request's own
+    restrictions (``allowed_token_ids``, ``bad_words``, its grammar) left no token to pick.
+    The engine should finish those sequences with an error instead of emitting a token.
     ``logprobs`` is None when no row asked for logprobs; otherwise ``logprobs[i]`` describes
     ``token_ids[i]`` under the raw distribution with ``params.logprobs`` alternatives, and is
     None for rows that did not ask and for failed rows.
@@ -38,6 +44,7 @@ class SamplerOutput:
 
     token_ids: list[int]
     failed_rows: list[int]
+    no_token_rows: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] | None = None
 
 
@@ -65,15 +72,16 @@ class PendingSample:
         if self._ready is not None:
             self._ready.synchronize()
         token_ids = self._host[0].tolist()
-        failed_rows = [i for i, t in enumerate(token_ids) if t < 0]
+        failed_rows = [i for i, t in enumerate(token_ids) if t == FAILED]
+        no_token_rows = [i for i, t in enumerate(token_ids) if t == NO_TOKEN]
         if not self._logprob_rows:
-            return SamplerOutput(token_ids=token_ids, failed_rows=failed_rows)
+            return SamplerOutput(token_ids, failed_rows, no_token_rows)
         logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
         described = describe_token_logprobs(self._host[1:], self._num_logprobs)
         for i, entry in zip(self._logprob_rows, described):
             if token_ids[i] >= 0:
                 logprobs[i] = entry
-        return SamplerOutput(token_ids=token_ids, failed_rows=failed_rows, logprobs=logprobs)
+        return SamplerOutput(token_ids, failed_rows, no_token_rows, logprobs)
 
 
 class Sampler:
@@ -122,7 +130,14 @@ class Sampler:
         apply_bad_words(logits, seqs)
         apply_penalties(logits, seqs)
         apply_grammar_masks(logits, seqs)
-        chosen = self._choose(logits, seqs).masked_fill_(is_failed, -1)
+        # NOTE: only these can mask a whole row (top-k, top-p and min-p keep the best token)
+        restricted = any(seq.params.allowed_token_ids or seq.params.bad_words_token_ids
+                         or seq.grammar is not None for seq in seqs)
+        no_token = ~torch.isfinite(logits.amax(dim=-1)) if restricted else None
+        chosen = self._choose(logits, seqs)
+        if no_token is not None:
+            chosen.masked_fill_(no_token, NO_TOKEN)
+        chosen.masked_fill_(is_failed, FAILED)
         logprob_tensors = ()
         if rows:  # a failed row's entry is described as token 0, then dropped
             tokens = chosen

@@ -22,6 +22,7 @@ import torch
 from aiohttp import web
 
 from heron.core.async_engine import EngineStoppedError, QueueFullError, RequestDelta
+from heron.core.outputs import NO_TOKEN_LEFT
 from heron.core.logprobs import TokenLogprobs
 from heron.core.sampling_params import SamplingParams
 from heron.server.appkeys import ASYNC_ENGINE, CONFIG, METRICS, MODEL_NAME
@@ -225,6 +226,8 @@ class Generation:
     def failure(self) -> APIError | None:
         """The error to answer instead of choices, when a choice failed or was aborted."""
         for choice in self.choices.values():
+            if choice.finish_reason == "error" and choice.error == NO_TOKEN_LEFT:
+                return APIError(400, f"generation stopped: {NO_TOKEN_LEFT}", code="no_token_left")
             if choice.finish_reason == "error":
                 return APIError(500, f"generation failed: {choice.error or 'internal error'}")
             if choice.finish_reason == "abort":

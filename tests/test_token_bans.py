@@ -4,13 +4,15 @@ as vLLM's bad words read only the output) are the oracles, in the sampler and ov
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import NoBadWordsLogitsProcessor, SuppressTokensLogitsProcessor
 
 from heron.core.engine import Engine
 from heron.core.penalties import apply_bad_words
-from heron.core.sampler import Sampler
+from heron.core.sampler import NO_TOKEN, Sampler
 from heron.core.sampling_params import SamplingParams
 from heron.core.sequence import Sequence
 from tests.server_utils import ServerThread, server_config
@@ -77,6 +79,20 @@ def test_out_of_range_and_empty_lists_and_beams_are_refused():
             params.validate(VOCAB)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_row_left_without_tokens_says_so_and_its_neighbours_sample_on(temperature):
+    stuck = SamplingParams(temperature=temperature, seed=0, allowed_token_ids=[5, 6],
+                           bad_words_token_ids=[[5], [6]], logprobs=1)
+    free = SamplingParams(temperature=temperature, seed=0, allowed_token_ids=[5, 6],
+                          bad_words_token_ids=[[5]], logprobs=1)
+    seqs = [seq_with(stuck, [], 0), seq_with(free, [], 1)]
+    for seq in seqs:
+        seq.generator = torch.Generator().manual_seed(seq.seq_id)
+    out = Sampler((2,)).sample(torch.randn(2, VOCAB), seqs)
+    assert out.token_ids == [NO_TOKEN, 6] and out.no_token_rows == [0] and not out.failed_rows
+    assert out.logprobs[0] is None and out.logprobs[1] is not None
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-bans")
@@ -117,3 +133,21 @@ def test_bad_ban_fields_are_400s(server, extra, param):
     status, _, raw = server.http("POST", "/v1/completions",
                                  {"model": "tiny", "prompt": "hi", **extra})
     assert status == 400, raw
+
+
+def test_restrictions_that_leave_no_token_are_a_400_and_free_what_they_held(server):
+    tokenizer = server.async_engine.engine.tokenizer
+    token = next(t for t in complete(server).token_ids
+                 if tokenizer.encode(tokenizer.decode([t]), add_special_tokens=False) == [t])
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 8,
+            "allowed_token_ids": [token], "bad_words": [tokenizer.decode([token])]}
+    status, _, raw = server.http("POST", "/v1/completions", body)
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["code"] == "no_token_left", error
+    assert "allowed_token_ids" in error["message"]
+    status, _, raw = server.http("POST", "/v1/completions", {**body, "stream": True})
+    events = [json.loads(line[6:]) for line in raw.decode().splitlines()
+              if line.startswith("data: {")]
+    assert status == 200 and events[-1]["error"]["code"] == "no_token_left", events
+    engine = server.async_engine.engine
+    assert engine.num_requests == 0 and engine.num_blocks_in_use == 0
