@@ -1,6 +1,7 @@
 """POST /v1/embeddings: inputs in, one vector each out (embedding models only).
 
-``input`` is a text or texts, token ids or lists of them; each becomes one engine request
+``input`` is a text or texts, token ids or lists of them (or chat ``messages``, rendered by
+the model's chat template, one input); each becomes one engine request
 whose prompt the model pools (`heron.core.pooling`), and all of a call's inputs run in the
 same steps. An input longer than the model's context is a 400, cut only when
 ``truncate_prompt_tokens`` asks for its last tokens. Vectors come back
@@ -16,12 +17,12 @@ import torch
 from aiohttp import web
 
 from heron.core.sampling_params import SamplingParams
-from heron.server.admission import (check_model, check_queue_room, encode_prompts,
-                                    truncate_prompts, validated)
+from heron.server.admission import (chat_prompt, check_model, check_queue_room,
+                                    encode_prompts, truncate_prompts, validated)
 from heron.server.appkeys import ASYNC_ENGINE, CONFIG, MODEL_NAME
 from heron.server.errors import bad_request, decode_body
 from heron.server.generation import Generation
-from heron.server.protocol import EmbeddingRequest
+from heron.server.protocol import EmbeddingRequest, unsupported_part
 from heron.server.responses import Embedding, EmbeddingResponse, EmbeddingUsage, encode
 
 
@@ -44,7 +45,7 @@ async def create_embedding(request: web.Request) -> web.Response:
                           code="not_an_embedding_model")
     req = await decode_body(request, EmbeddingRequest)
     adapter = check_model(app, req.model)
-    _, inputs = encode_prompts(app, req.input, field="input")
+    inputs = _inputs(app, req)
     inputs = truncate_prompts(inputs, req.truncate_prompt_tokens,
                               app[ASYNC_ENGINE].engine.limits.max_embedding_len)
     _check_sizes(app, req, inputs)
@@ -60,6 +61,21 @@ async def create_embedding(request: web.Request) -> web.Response:
         body = EmbeddingResponse(id=gen.id, created=gen.created, model=gen.model, data=data,
                                  usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
         return web.Response(body=encode(body), content_type="application/json")
+
+
+def _inputs(app: web.Application, req: EmbeddingRequest) -> list[list[int]]:
+    """The token ids of each input: ``input``'s, or the one of ``messages``."""
+    if (req.input is None) == (req.messages is None):
+        raise bad_request("send exactly one of `input` and `messages`", param="input")
+    if req.input is not None:
+        return encode_prompts(app, req.input, field="input")[1]
+    if (name := unsupported_part(req.messages)) is not None:
+        raise bad_request(f"`{name}` is not supported by this server", param=name,
+                          code="unsupported_field")
+    return [chat_prompt(app, req.messages, add_generation_prompt=req.add_generation_prompt,
+                        continue_final_message=req.continue_final_message,
+                        add_special_tokens=req.add_special_tokens,
+                        template_kwargs=req.chat_template_kwargs)]
 
 
 def _check_sizes(app: web.Application, req: EmbeddingRequest, inputs: list[list[int]]) -> None:

@@ -290,10 +290,18 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 class EmbeddingRequest(_Body, kw_only=True):
     """/v1/embeddings (embedding models): ``input`` is a text, a list of texts, a list of
     token ids or a list of such lists (checked by the handler, as a completion's
-    ``prompt``). ``dimensions`` must be the model's own: heron does not shorten vectors."""
+    ``prompt``); or, as vLLM takes it, chat ``messages`` rendered by the chat template
+    (one input; exactly one of the two). ``dimensions`` must be the model's own: heron
+    does not shorten vectors."""
 
     model: str | None = None
-    input: str | list[Any]
+    input: str | list[Any] | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    # with messages, as in vLLM's: the template's settings
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Meta(ge=1)] | None = None
     truncate_prompt_tokens: TruncatePromptTokens = None

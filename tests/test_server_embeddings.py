@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from heron.core.engine import Engine
 from tests.server_utils import ServerThread, server_config
@@ -71,6 +72,24 @@ def test_base64_is_the_little_endian_float32_bytes(server):
         np.testing.assert_allclose(decoded, b["embedding"], atol=1e-6)
 
 
+def test_chat_messages_embed_as_the_template_renders_them(server, model_dir):
+    """vLLM's chat form: ``messages`` through the chat template (no generation prompt
+    unless asked), one vector; transformers' rendering of the same chat is the input."""
+    chat = [{"role": "system", "content": "Embed the question."},
+            {"role": "user", "content": PROMPTS[0]}]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for add_generation_prompt in (False, True):
+        ids = tokenizer.apply_chat_template(chat, tokenize=True,
+                                            add_generation_prompt=add_generation_prompt)
+        ids = ids["input_ids"]
+        status, reply = post(server, "/v1/embeddings", {
+            "messages": chat, "add_generation_prompt": add_generation_prompt})
+        assert status == 200 and len(reply["data"]) == 1
+        assert reply["usage"]["prompt_tokens"] == len(ids)
+        torch.testing.assert_close(torch.tensor(reply["data"][0]["embedding"]),
+                                   oracle(model_dir, ids, "last"), atol=1e-5, rtol=1e-5)
+
+
 def test_a_call_s_inputs_run_in_one_step(model_dir):
     with serve(model_dir, **{"model.task": "embed"}) as server:
         engine = server.async_engine.engine
@@ -110,6 +129,11 @@ def test_truncate_prompt_tokens_embeds_each_input_s_last_tokens(server, model_di
     ({"input": "a", "encoding_format": "int8"}, 400, None, None),
     ({"input": "a", "temperature": 0.5}, 400, None, None),
     ({"input": "a", "priority": 3}, 400, "priority", None),  # engine.scheduling_policy fcfs
+    ({}, 400, "input", None),
+    ({"input": "a", "messages": [{"role": "user", "content": "a"}]}, 400, "input", None),
+    ({"messages": []}, 400, "messages", None),
+    ({"messages": [{"role": "user", "content": "a"}],
+      "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs", None),
 ])
 def test_bad_requests_get_openai_shaped_errors(server, body, status, param, code):
     got, reply = post(server, "/v1/embeddings", body)
