@@ -30,20 +30,13 @@ class ResponseStore:
         self.capacity = capacity
         self._entries: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def put(self, tenant: str, stored: StoredResponse) -> bool:
-        """Keep ``stored`` (dropping the least recently used past the capacity); False when
-        the store is off (capacity 0)."""
-        if not self.capacity:
-            return False
+    def put(self, tenant: str, stored: StoredResponse) -> None:
+        """Keep ``stored``, dropping the least recently used past the capacity."""
         key = (tenant, stored.response.id)
         self._entries[key] = stored
         self._entries.move_to_end(key)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
-        return True
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         stored = self._entries.get((tenant, response_id))

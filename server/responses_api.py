@@ -19,6 +19,7 @@ OpenAI's API), and ``GET`` / ``DELETE /v1/responses/{id}`` read and drop it.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import msgspec
 from aiohttp import web
@@ -43,7 +44,7 @@ from heron.server.response_protocol import (INPUT_ITEMS, Event, FunctionCallItem
                                             ResponseIncomplete, ResponseInProgress,
                                             ResponsesRequest, ResponseUsage, TextConfig,
                                             TextFormat)
-from heron.server.response_store import Item, StoredResponse
+from heron.server.response_store import Item, ResponseStore, StoredResponse
 from heron.server.sse import EventStream
 from heron.server.tools import CallHold, ToolPlan, new_call_id, plan_tools
 from heron.server.translation_jobs import refuse_translation_model
@@ -76,18 +77,18 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     thinking = plan_thinking(app[REASONING], prompt_ids, params)
     async with Generation(request, "resp", [prompt_ids], params, req.cache_salt,
                           adapter=adapter) as gen:
-        answer = _Answer(req, gen, tools, app[REASONING], thinking,
-                         stored=req.store is not False and app[RESPONSE_STORE].capacity > 0)
+        store = app[RESPONSE_STORE]
+        keep = _Keep(store, tenant_of(request), earlier) if (
+            req.store is not False and store.capacity) else None
+        answer = _Answer(req, gen, tools, app[REASONING], thinking, keep)
         if req.stream:
-            return await _stream(request, answer, earlier)
+            return await _stream(request, answer)
         await gen.run_to_end()
         if (error := gen.failure()) is not None:
             raise error
         c = gen.choices[(0, 0)]
         answer.feed(c.text, c.finish_reason)
-        final = answer.final(c)
-        _keep(request, final.response, earlier, req)
-        return web.Response(body=msgspec.json.encode(final.response),
+        return web.Response(body=msgspec.json.encode(answer.final(c).response),
                             content_type="application/json")
 
 
@@ -130,18 +131,16 @@ def _earlier(request: web.Request, previous_id: str | None) -> tuple[Item, ...]:
     return stored.conversation
 
 
-def _keep(request: web.Request, response: Response, earlier: tuple[Item, ...],
-          req: ResponsesRequest) -> None:
-    """Store a finished ``response`` that says so, with its conversation: the earlier
-    items, this request's input, and its output."""
-    if response.store:
-        output = tuple(msgspec.to_builtins(item) for item in response.output)
-        request.app[RESPONSE_STORE].put(tenant_of(request), StoredResponse(
-            response, (*earlier, *input_items(req), *output)))
+@dataclass(frozen=True)
+class _Keep:
+    """Where a response that is stored goes, and the conversation before its input."""
+
+    store: ResponseStore
+    tenant: str
+    earlier: tuple[Item, ...]
 
 
-async def _stream(request: web.Request, answer: _Answer,
-                  earlier: tuple[Item, ...]) -> web.StreamResponse:
+async def _stream(request: web.Request, answer: _Answer) -> web.StreamResponse:
     events = EventStream(request)
     numbers = itertools.count()
 
@@ -159,9 +158,7 @@ async def _stream(request: web.Request, answer: _Answer,
                     return None
                 for event in answer.feed(sd.text, sd.finish_reason):
                     await send(event)
-        final = answer.final(answer.gen.choices[(0, 0)])
-        _keep(request, final.response, earlier, answer.req)
-        await send(final)
+        await send(answer.final(answer.gen.choices[(0, 0)]))
         return None
 
     return await events.run(produce)
@@ -235,9 +232,9 @@ class _Answer:
     answer as a message or as function calls (`OutputBuilder`)."""
 
     def __init__(self, req: ResponsesRequest, gen: Generation, tools: ToolPlan | None,
-                 parser: ReasoningParser | None, thinking: bool | None, *,
-                 stored: bool) -> None:
-        self.req, self.gen, self.tools, self.stored = req, gen, tools, stored
+                 parser: ReasoningParser | None, thinking: bool | None,
+                 keep: _Keep | None) -> None:
+        self.req, self.gen, self.tools, self.keep = req, gen, tools, keep
         self.parser, self.thinking = parser, thinking
         self.split = ReasoningSplit(thinking)
         self.mode = tools.mode if tools is not None else "none"
@@ -277,10 +274,17 @@ class _Answer:
                                           else "completed")
 
     def final(self, c: Choice) -> ResponseCompleted | ResponseIncomplete:
-        """The last event: the whole response, once ``c`` (its one choice) finished."""
-        if c.finish_reason == "length":
-            return ResponseIncomplete(response=self.response("incomplete", self._usage(c)))
-        return ResponseCompleted(response=self.response("completed", self._usage(c)))
+        """The last event: the whole response, once ``c`` (its one choice) finished; stored
+        with its conversation (the earlier items, ``input``, the output) when it is kept."""
+        status = "incomplete" if c.finish_reason == "length" else "completed"
+        response = self.response(status, self._usage(c))
+        if self.keep is not None:
+            output = tuple(msgspec.to_builtins(item) for item in response.output)
+            self.keep.store.put(self.keep.tenant, StoredResponse(
+                response, (*self.keep.earlier, *input_items(self.req), *output)))
+        if status == "incomplete":
+            return ResponseIncomplete(response=response)
+        return ResponseCompleted(response=response)
 
     def _usage(self, c: Choice) -> ResponseUsage:
         usage = self.gen.usage()
@@ -307,4 +311,4 @@ class _Answer:
             tool_choice=choice if choice is not None else ("auto" if req.tools else "none"),
             tools=req.tools or [], text=req.text or TextConfig(format=TextFormat(type="text")),
             reasoning=req.reasoning, metadata=req.metadata, user=req.user,
-            previous_response_id=req.previous_response_id, store=self.stored)
+            previous_response_id=req.previous_response_id, store=self.keep is not None)
