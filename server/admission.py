@@ -15,7 +15,7 @@ from heron.core.sampling_params import SamplingParams, StructuredOutput
 from heron.server.appkeys import ASYNC_ENGINE, CONFIG, MODEL_NAME
 from heron.server.errors import APIError, bad_request
 from heron.server.limits import check_limits
-from heron.server.protocol import ChatMessage, SamplingFields
+from heron.server.protocol import ChatMessage, SamplingFields, unsupported_part
 
 
 def check_request(app: web.Application, req: SamplingFields) -> str | None:
@@ -127,6 +127,13 @@ def check_queue_room(app: web.Application, prompts: list[list[int]], field: str)
 
 
 _CONTENT_REQUIRED = ("system", "developer", "user", "tool")  # as OpenAI's API
+
+
+def check_message_parts(messages: list[ChatMessage]) -> None:
+    """A 400 naming the first content part of ``messages`` this server does not serve."""
+    if (name := unsupported_part(messages)) is not None:
+        raise bad_request(f"`{name}` is not supported by this server", param=name,
+                          code="unsupported_field")
 
 
 def template_kwargs(effort: str | None, kwargs: dict[str, Any] | None) -> dict[str, Any]:

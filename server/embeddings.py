@@ -17,12 +17,13 @@ import torch
 from aiohttp import web
 
 from heron.core.sampling_params import SamplingParams
-from heron.server.admission import (chat_prompt, check_model, check_queue_room,
-                                    encode_prompts, truncate_prompts, validated)
+from heron.server.admission import (chat_prompt, check_message_parts, check_model,
+                                    check_queue_room, encode_prompts, truncate_prompts,
+                                    validated)
 from heron.server.appkeys import ASYNC_ENGINE, CONFIG, MODEL_NAME
 from heron.server.errors import bad_request, decode_body
 from heron.server.generation import Generation
-from heron.server.protocol import EmbeddingRequest, unsupported_part
+from heron.server.protocol import EmbeddingRequest
 from heron.server.responses import Embedding, EmbeddingResponse, EmbeddingUsage, encode
 
 
@@ -69,9 +70,7 @@ def _inputs(app: web.Application, req: EmbeddingRequest) -> list[list[int]]:
         raise bad_request("send exactly one of `input` and `messages`", param="input")
     if req.input is not None:
         return encode_prompts(app, req.input, field="input")[1]
-    if (name := unsupported_part(req.messages)) is not None:
-        raise bad_request(f"`{name}` is not supported by this server", param=name,
-                          code="unsupported_field")
+    check_message_parts(req.messages)
     return [chat_prompt(app, req.messages, add_generation_prompt=req.add_generation_prompt,
                         continue_final_message=req.continue_final_message,
                         add_special_tokens=req.add_special_tokens,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from heron.server.admission import chat_prompt, check_model, tokenizer_of
+from heron.server.admission import chat_prompt, check_message_parts, check_model, tokenizer_of
 from heron.server.appkeys import ASYNC_ENGINE
 from heron.server.errors import bad_request, decode_body
-from heron.server.protocol import DetokenizeRequest, TokenizeRequest, unsupported_part
+from heron.server.protocol import DetokenizeRequest, TokenizeRequest
 from heron.server.responses import DetokenizeResponse, TokenizeResponse, encode
 
 
@@ -22,9 +22,7 @@ async def tokenize(request: web.Request) -> web.Response:
         tokens = tokenizer_of(request.app).encode(req.prompt,
                                                   add_special_tokens=special is not False)
     else:
-        if (name := unsupported_part(req.messages)) is not None:
-            raise bad_request(f"`{name}` is not supported by this server", param=name,
-                              code="unsupported_field")
+        check_message_parts(req.messages)
         tokens = chat_prompt(request.app, req.messages, add_special_tokens=bool(special),
                              add_generation_prompt=req.add_generation_prompt,
                              continue_final_message=req.continue_final_message)
