@@ -442,7 +442,20 @@ def _recommend(shapes: dict) -> dict:
     if not scores:
         return {}
     name = min(scores, key=lambda n: scores[n]["geomean_x_best"])
-    return {"variant": name, "config": DECODE_VARIANTS[name], **scores[name],
+
+    def at_ctas(ctas):  # the variant with the plan's own partitions at this ctas_per_sm
+        ratios = []
+        for shape in shapes.values():
+            run = shape["runs"].get(f"{name} P={shape['plans'].get(f'{name} ctas_per_sm={ctas}')}", {})
+            if "us" not in run or run.get("wrong"):
+                return None
+            ratios.append(run["us"] / shape["best"]["us"])
+        return math.exp(sum(map(math.log, ratios)) / len(ratios))
+
+    planned = {c: r for c in DECODE_CTAS_PER_SM if (r := at_ctas(c)) is not None}
+    fitted = {"ctas_per_sm": min(planned, key=planned.get),
+              "planned_geomean_x_best": {c: round(r, 3) for c, r in planned.items()}} if planned else {}
+    return {"variant": name, "config": DECODE_VARIANTS[name], **scores[name], **fitted,
             "all": {n: round(s["geomean_x_best"], 3) for n, s in scores.items()}}
 
 

@@ -9,6 +9,7 @@ of decode (weight + KV bytes per step / copy bandwidth). Runs on CPU too with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import tempfile
@@ -65,19 +66,24 @@ def heron_engine(model_dir: Path, device, dtype, max_seqs, kv_gb, cuda_graphs=Tr
     return Engine(cfg, plugins)
 
 
-def heron_decode(engine, batch: int, context: int, steps: int, vocab: int) -> dict:
-    from heron.core.sampling_params import SamplingParams
-
+def start_batch(engine, name: str, batch: int, context: int, vocab: int, params) -> None:
+    """Add ``batch`` requests of ``context`` random tokens; step until each has its first token."""
     g = torch.Generator().manual_seed(batch)
-    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"d{batch}-{i}", torch.randint(0, vocab, (context,), generator=g).tolist(),
+        engine.add_request(f"{name}-{i}", torch.randint(0, vocab, (context,), generator=g).tolist(),
                            params)
     produced = {}
-    while len(produced) < batch or min(produced.values()) < 1:  # prefill everything first
+    while len(produced) < batch or min(produced.values()) < 1:
         for out in engine.step():
             produced[out.request_id] = len(out.outputs[0].token_ids)
     sync(engine.device)
+
+
+def heron_decode(engine, batch: int, context: int, steps: int, vocab: int) -> dict:
+    from heron.core.sampling_params import SamplingParams
+
+    start_batch(engine, f"d{batch}", batch, context, vocab,
+                SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
     start, tokens = time.perf_counter(), 0
     while engine.has_unfinished():
         for out in engine.step():
@@ -85,6 +91,33 @@ def heron_decode(engine, batch: int, context: int, steps: int, vocab: int) -> di
     sync(engine.device)
     elapsed = time.perf_counter() - start
     return {"batch": batch, "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+
+
+def profile_decode(engine, batch: int, context: int, steps: int, vocab: int) -> dict:
+    """Where a decode step's time goes: ``steps`` steps of ``batch`` sequences under the torch
+    profiler. Prints the kernels by device time; returns wall and device ms per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from heron.core.sampling_params import SamplingParams
+
+    start_batch(engine, f"p{batch}", batch, context, vocab,
+                SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
+    for _ in range(3):  # steady decode steps
+        engine.step()
+    sync(engine.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync(engine.device)
+        wall = time.perf_counter() - start
+    while engine.has_unfinished():
+        engine.step()
+    events = prof.key_averages()
+    print(events.table(sort_by="self_device_time_total", row_limit=15), flush=True)
+    device_us = sum(e.self_device_time_total for e in events)
+    return {"batch": batch, "steps": steps, "wall_ms_per_step": wall * 1e3 / steps,
+            "device_ms_per_step": device_us / 1e3 / steps}
 
 
 def heron_prefill(engine, prompt_len: int, vocab: int, repeats: int = 3) -> dict:
@@ -152,6 +185,34 @@ def roofline(config: dict, batch: int, context: int, bandwidth: float, dtype) ->
     return batch / ((params * size + kv_bytes) / bandwidth)
 
 
+#: Largest relative error vs SDPA a prefill kernel of the bench may have to be chosen.
+PREFILL_ERR_LIMIT = 2e-2
+
+
+def choose_kernels(bench: dict) -> dict:
+    """Run the fastest correct attention kernels of a bench/gpu_bench.py run: its recommended
+    decode variant at its fitted ctas_per_sm, the fastest prefill kernel on the 4k prompt
+    within PREFILL_ERR_LIMIT of SDPA. Returns what was chosen."""
+    from heron.core.ops.cuda import attention, plan
+
+    chosen = {}
+    rec = bench.get("decode_sweep", {}).get("recommended") or {}
+    if "config" in rec:
+        plan.DECODE_CONFIG = plan.DecodeConfig(
+            **rec["config"], ctas_per_sm=rec.get("ctas_per_sm", plan.DECODE_CTAS_PER_SM))
+        chosen["decode"] = dataclasses.asdict(plan.DECODE_CONFIG)
+    kernels = bench.get("prefill", {}).get("cases", {}).get("4096 causal", {}).get("kernels", {})
+    ok = {label: r for label, r in kernels.items()
+          if "gpu_ms" in r and not r["nan"] and r["rel_err_vs_sdpa"] <= PREFILL_ERR_LIMIT}
+    if ok:
+        label = min(ok, key=lambda lbl: ok[lbl]["gpu_ms"])
+        kernel, _, tile = label.partition(" ")
+        attention.PREFILL_KERNEL = kernel
+        attention.PREFILL_MMA_TILE = plan.MmaTile(*map(int, tile.split("x"))) if tile else None
+        chosen["prefill"] = label
+    return chosen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=["llama3-8b", "tiny"], default="llama3-8b")
@@ -163,13 +224,20 @@ def main() -> None:
     parser.add_argument("--kv-gb", type=float, default=40.0)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--profile-batch", type=int, default=64,
+                        help="profile 8 decode steps at this batch size (0: none)")
+    parser.add_argument("--from-bench", type=Path, default=None,
+                        help="gpu_bench.json: run its fastest correct attention kernels")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = LLAMA3_8B if args.shape == "llama3-8b" else TINY
     batches = [int(b) for b in args.batches.split(",")]
+    kernels = choose_kernels(json.loads(args.from_bench.read_text())) \
+        if args.from_bench and args.from_bench.exists() else {}
+    print("attention kernels:", kernels or "defaults", flush=True)
     bandwidth = copy_bandwidth(device)
-    results = {"shape": args.shape, "device": str(device), "dtype": str(dtype),
+    results = {"kernels": kernels, "shape": args.shape, "device": str(device), "dtype": str(dtype),
                "context": args.context, "steps": args.steps, "copy_bandwidth_Bps": bandwidth,
                "heron": {"decode": [], "prefill": None}, "transformers": {"decode": [], "prefill": None}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -186,6 +254,10 @@ def main() -> None:
                                                   bandwidth, dtype)
             results["heron"]["decode"].append(r)
             print("heron decode", r, flush=True)
+        if args.profile_batch:
+            results["heron"]["profile"] = profile_decode(engine, args.profile_batch, args.context,
+                                                         8, config["vocab_size"])
+            print("heron decode profile", results["heron"]["profile"], flush=True)
         results["heron"]["prefill"] = heron_prefill(engine, args.prefill, config["vocab_size"])
         print("heron prefill", results["heron"]["prefill"], flush=True)
         assert engine.num_blocks_in_use == 0
@@ -226,6 +298,10 @@ def format_table(results: dict) -> str:
         rows.append(f"| prefill tok/s, {hp['prompt_tokens']} tokens | {hp['tokens_per_s']:.0f} | - | "
                     + (f"{tp['tokens_per_s']:.0f} | {hp['tokens_per_s'] / tp['tokens_per_s']:.2f} | - |"
                        if tp else "- | - | - |"))
+    rows += ["", f"attention kernels: {results['kernels'] or 'defaults'}"]
+    if prof := results["heron"].get("profile"):
+        rows.append(f"decode step at batch {prof['batch']}: {prof['wall_ms_per_step']:.2f} ms wall, "
+                    f"{prof['device_ms_per_step']:.2f} ms of kernels (profiled)")
     return "\n".join(rows)
 
 

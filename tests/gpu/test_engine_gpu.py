@@ -83,6 +83,39 @@ def test_preemption_and_abort_on_cuda_free_everything(tiny):
     assert engine.num_blocks_in_use == 0
 
 
+def test_tensor_core_attention_matches_cuda_cores_in_the_engine(tmp_path):
+    """bf16, head_dim 64: the engine with the tensor-core prefill and decode kernels ("auto")
+    gives the logits of the CUDA-core ones ("fma") wherever both runs saw the same tokens
+    (prompts chunked over the cached prefix, decode steps replayed from graphs)."""
+    from heron.core.ops.cuda import attention, plan
+
+    build_tiny("llama", tmp_path, head_dim=64)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    with plan.decode_config(kernel="auto"):
+        assert plan.plan_decode(4, 2, 160, 132, 2, 64, 2).mma, "auto must pick tensor cores here"
+    runs = {}
+    for kernel in ("fma", "auto"):
+        attention.PREFILL_KERNEL = kernel
+        try:
+            with plan.decode_config(kernel=kernel):
+                _, rec, tokens, outs = run(tmp_path, prompts, "cuda", **{"model.dtype": "bfloat16"})
+        finally:
+            attention.PREFILL_KERNEL = None
+        runs[kernel] = rec, tokens, outs
+    (rec_f, tok_f, outs_f), (rec_m, tok_m, outs_m) = runs["fma"], runs["auto"]
+    a, b = [], []
+    for prompt, tf, tm, of, om in zip(prompts, tok_f, tok_m, outs_f, outs_m):
+        same = next((k for k, (x, y) in enumerate(zip(tf, tm)) if x != y), len(tf))
+        for pos in range(min(len(prompt) + same, len(prompt) + len(tf) - 1)):
+            a.append(rec_f.rows[(of.request_id, pos)].float())
+            b.append(rec_m.rows[(om.request_id, pos)].float())
+    a, b = torch.stack(a), torch.stack(b)
+    assert len(a) > sum(PROMPT_LENS), "no decode step was compared"
+    rel = ((a - b).norm() / a.norm()).item()
+    assert rel <= 2e-2, f"tensor-core vs CUDA-core attention: relative logits error {rel:.2e}"
+
+
 @pytest.mark.parametrize("kind", ["bamba", "nemotron_h", "nemotron_h-dense-dt-floor",
                                   "falcon_h1", "mamba2"])
 def test_hybrid_greedy_on_cuda_matches_cpu(kind, tmp_path):

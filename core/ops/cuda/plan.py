@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -76,7 +77,8 @@ class DecodeConfig:
 
 
 #: The decode knobs in force; `decode_config` overrides them for a block (benchmarks, tests).
-DECODE_CONFIG = DecodeConfig()
+#: $HERON_DECODE_KERNEL (fma|mma|auto) sets the kernel at import.
+DECODE_CONFIG = DecodeConfig(kernel=os.environ.get("HERON_DECODE_KERNEL", "fma").lower())
 
 
 @contextlib.contextmanager
