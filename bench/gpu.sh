@@ -44,7 +44,8 @@ PYEOF
 cd "$REPO"
 echo "== GPU tests"
 TEST_START=$SECONDS
-timeout "${TEST_TIMEOUT:-160}" "$PY" -m pytest tests/gpu tests/test_sampler.py tests/test_logit_bias.py \
+# GPU_TESTS: which tests (default: all of them)
+timeout "${TEST_TIMEOUT:-160}" "$PY" -m pytest ${GPU_TESTS:-tests/gpu tests/test_sampler.py tests/test_logit_bias.py} \
   -q -m gpu -p no:cacheprovider -rfEs --durations 12 2>&1 | tee "$OUT/gpu_tests.txt" | tail -60
 echo "tests: $((SECONDS - TEST_START)) s"
 

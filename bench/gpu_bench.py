@@ -44,6 +44,18 @@ LLAMA = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, hidden
 
 # ---------------------------------------------------------------------------- timing
 
+_GEN: torch.Generator | None = None
+
+
+def gen() -> torch.Generator:
+    """The inputs' own CUDA generator: a graph capture that fails (`time_kernel` goes on
+    after it) can leave the default one unusable ("Offset increment outside graph capture")."""
+    global _GEN
+    if _GEN is None:
+        _GEN = torch.Generator(device="cuda").manual_seed(0)
+    return _GEN
+
+
 
 def time_eager(fn: Callable[[], object], warmup: int = 5, reps: int = 30) -> float:
     """Median ms per call, one CUDA event pair around each call."""
@@ -107,7 +119,7 @@ def section_env(args) -> dict:
 
 def section_bandwidth(args) -> dict:
     nbytes = 2 << 30
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(generator=gen())
     b = torch.empty_like(a)
     ms = time_eager(lambda: b.copy_(a), reps=20)
     return {"copy_bytes": nbytes, "copy_ms": ms, "copy_gbps": 2 * nbytes / ms / 1e6}
@@ -115,8 +127,8 @@ def section_bandwidth(args) -> dict:
 
 def section_matmul(args) -> dict:
     n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(n, n, generator=gen(), device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, generator=gen(), device="cuda", dtype=torch.bfloat16)
     ms = time_eager(lambda: a @ b, reps=20)
     return {"n": n, "ms": ms, "tflops": 2 * n**3 / ms / 1e9}
 
@@ -130,15 +142,15 @@ def section_ops(args) -> dict:
     cs = ops.rope_cos_sin_cache(d, 8192, 500000.0).cuda()
     results = {}
     for t in (1, 64, 4096):
-        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(h, device="cuda", dtype=torch.bfloat16)
-        gu = torch.randn(t, 2 * inter, device="cuda", dtype=torch.bfloat16)
-        qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(t, h, generator=gen(), device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(h, generator=gen(), device="cuda", dtype=torch.bfloat16)
+        gu = torch.randn(t, 2 * inter, generator=gen(), device="cuda", dtype=torch.bfloat16)
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen(), device="cuda", dtype=torch.bfloat16)
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
-        pos = torch.randint(0, 8192, (t,), device="cuda")
+        pos = torch.randint(0, 8192, (t,), generator=gen(), device="cuda")
         cache = torch.zeros(2, t // 16 + 2, 16, hkv, d, device="cuda", dtype=torch.bfloat16)
-        slots = torch.randperm(cache.shape[1] * 16, device="cuda")[:t]
+        slots = torch.randperm(cache.shape[1] * 16, generator=gen(), device="cuda")[:t]
         pairs = {
             "rms_norm+residual": (lambda: cuda_ops.rms_norm(x, w, 1e-5, x),
                                   lambda: ops.rms_norm_ref(x, w, 1e-5, x)),
@@ -160,8 +172,8 @@ def _paged_kv(num_seqs: int, context: int, dtype=torch.bfloat16, sets: int = 1):
     bs, hkv, d = LLAMA["block_size"], LLAMA["num_kv_heads"], LLAMA["head_dim"]
     per_seq = -(-context // bs)
     num_blocks = sets * num_seqs * per_seq + 1
-    kv = torch.randn(2, num_blocks, bs, hkv, d, device=DECODE_DEVICE, dtype=dtype)
-    ids = (1 + torch.randperm(num_blocks - 1, device=DECODE_DEVICE)).view(sets, num_seqs, per_seq).int()
+    kv = torch.randn(2, num_blocks, bs, hkv, d, generator=gen(), device=DECODE_DEVICE, dtype=dtype)
+    ids = (1 + torch.randperm(num_blocks - 1, generator=gen(), device=DECODE_DEVICE)).view(sets, num_seqs, per_seq).int()
     metas = []
     for tables in ids:
         metas.append(AttentionMetadata(
@@ -187,7 +199,7 @@ def _decode_setup(batch: int, context: int):
     kv_bytes = 2 * batch * context * hkv * d * 2
     sets = max(1, min(GRAPH_CALLS, -(-DECODE_ROTATE_BYTES // kv_bytes)))
     kv, metas = _paged_kv(batch, context, sets=sets)
-    q = torch.randn(batch, hq, d, device=DECODE_DEVICE, dtype=torch.bfloat16)
+    q = torch.randn(batch, hq, d, generator=gen(), device=DECODE_DEVICE, dtype=torch.bfloat16)
     tables = metas[0].block_tables.long()
     k = kv[0][tables].view(batch, -1, hkv, d)[:, :context].transpose(1, 2).contiguous()
     v = kv[1][tables].view(batch, -1, hkv, d)[:, :context].transpose(1, 2).contiguous()
@@ -478,8 +490,8 @@ def _prefill_inputs(query_lens: list[int], seq_lens: list[int], dtype=torch.bflo
     hq, hkv, d, bs = (LLAMA[k] for k in ("num_q_heads", "num_kv_heads", "head_dim", "block_size"))
     per_seq = [-(-s // bs) for s in seq_lens]
     num_blocks = sum(per_seq) + 1
-    kv = torch.randn(2, num_blocks, bs, hkv, d, device="cuda", dtype=dtype)
-    perm = (1 + torch.randperm(num_blocks - 1, device="cuda")).int()
+    kv = torch.randn(2, num_blocks, bs, hkv, d, generator=gen(), device="cuda", dtype=dtype)
+    perm = (1 + torch.randperm(num_blocks - 1, generator=gen(), device="cuda")).int()
     tables = torch.zeros(len(seq_lens), max(per_seq), dtype=torch.int32, device="cuda")
     start = 0
     for i, n in enumerate(per_seq):
@@ -491,7 +503,7 @@ def _prefill_inputs(query_lens: list[int], seq_lens: list[int], dtype=torch.bflo
         query_start_loc=qsl.cuda(), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
         block_tables=tables, query_lens_list=list(query_lens), seq_lens_list=list(seq_lens),
         max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_size=bs)
-    q = torch.randn(sum(query_lens), hq, d, device="cuda", dtype=dtype)
+    q = torch.randn(sum(query_lens), hq, d, generator=gen(), device="cuda", dtype=dtype)
     scale = d ** -0.5
     refs, sdpa_fns = [], []
     for i, (ql, sl) in enumerate(zip(query_lens, seq_lens)):
@@ -591,13 +603,13 @@ def _mamba_inputs(num_rows: int, num_slots: int, dtype=torch.bfloat16):
     """The SSM ops' inputs as the mixer passes them (x, B, C column views of one conv
     output; dt, A, D, state float32): ``(inputs, state)``."""
     h, p, g, n = (MAMBA[k] for k in ("heads", "head_dim", "groups", "state_size"))
-    conv_out = torch.randn(num_rows, h * p + 2 * g * n, device="cuda", dtype=dtype)
+    conv_out = torch.randn(num_rows, h * p + 2 * g * n, generator=gen(), device="cuda", dtype=dtype)
     x, B, C = conv_out.split([h * p, g * n, g * n], dim=-1)
     inputs = dict(x=x.view(num_rows, h, p), B=B.view(num_rows, g, n), C=C.view(num_rows, g, n),
-                  dt=F.softplus(torch.randn(num_rows, h, device="cuda") - 1),
-                  A=-torch.exp(torch.randn(h, device="cuda") * 0.5),
-                  D=torch.randn(h, device="cuda"))
-    return inputs, torch.randn(num_slots, h, p, n, device="cuda") * 0.1
+                  dt=F.softplus(torch.randn(num_rows, h, generator=gen(), device="cuda") - 1),
+                  A=-torch.exp(torch.randn(h, generator=gen(), device="cuda") * 0.5),
+                  D=torch.randn(h, generator=gen(), device="cuda"))
+    return inputs, torch.randn(num_slots, h, p, n, generator=gen(), device="cuda") * 0.1
 
 
 def _float(inputs: dict) -> dict:
@@ -635,7 +647,7 @@ def section_mamba(args, bandwidth_gbps: float) -> dict:
     conv_dim, width = h * p + 2 * MAMBA["groups"] * n, MAMBA["conv_width"]
     for batch in (64, 256):
         t, state = _mamba_inputs(batch, batch)
-        slots = torch.randperm(batch, device="cuda")
+        slots = torch.randperm(batch, generator=gen(), device="cuda")
         ref_t = _float(t)
         heron = time_kernel(lambda: mamba_cuda.ssm_decode(**t, ssm_state=state, slots=slots))
         ref = time_kernel(lambda: ops.ssm_decode_ref(**ref_t, ssm_state=state, slots=slots))
@@ -644,10 +656,10 @@ def section_mamba(args, bandwidth_gbps: float) -> dict:
             "heron": heron, "torch": ref, "speedup": ref["gpu_ms"] / heron["gpu_ms"],
             "state_gbps": state_bytes / heron["gpu_ms"] / 1e6,
             "x_roofline": heron["gpu_ms"] / (state_bytes / bandwidth_gbps / 1e6)}
-        x = torch.randn(batch, conv_dim, device="cuda", dtype=torch.bfloat16)
-        window = torch.randn(batch, conv_dim, width - 1, device="cuda", dtype=torch.bfloat16)
-        weight = torch.randn(conv_dim, width, device="cuda", dtype=torch.bfloat16)
-        bias = torch.randn(conv_dim, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(batch, conv_dim, generator=gen(), device="cuda", dtype=torch.bfloat16)
+        window = torch.randn(batch, conv_dim, width - 1, generator=gen(), device="cuda", dtype=torch.bfloat16)
+        weight = torch.randn(conv_dim, width, generator=gen(), device="cuda", dtype=torch.bfloat16)
+        bias = torch.randn(conv_dim, generator=gen(), device="cuda", dtype=torch.bfloat16)
         heron = time_kernel(lambda: mamba_cuda.conv1d_decode(x, window, slots, weight, bias))
         ref = time_kernel(lambda: ops.conv1d_decode_ref(x, window, slots, weight, bias))
         out["decode"][f"conv1d_decode B={batch}"] = {

@@ -67,15 +67,16 @@ def _floor_dt(name: str, p: torch.Tensor) -> None:
 TWEAKS = {"nemotron_h-latent-dt-floor": _floor_dt, "nemotron_h-dense-dt-floor": _floor_dt}
 
 
-def build_hybrid(kind: str, directory: Path, seed: int = 0, std: float = 0.15):
+def build_hybrid(kind: str, directory: Path, seed: int = 0, std: float = 0.15, **overrides):
     """Save a tiny ``kind`` model whose weights are scaled so logits are O(1–10); return it.
+    ``overrides`` replace entries of its transformers config.
 
     At std 0.3 transformers' own float32 logits are 1e-4 off a float64 run of the same
     weights (the scan amplifies rounding); at 0.15 they are within 1.5e-5, so a 1e-4 bound
     between two float32 implementations discriminates."""
     torch.manual_seed(seed)
     model_cls, config_cls, config = HYBRIDS[kind]
-    model = model_cls(config_cls(**{**COMMON, **config})).eval()
+    model = model_cls(config_cls(**{**COMMON, **config, **overrides})).eval()
     if model._can_set_experts_implementation():
         model.set_experts_implementation("eager")  # the plain per-expert loop
     randomise_weights(model, std)

@@ -174,9 +174,9 @@ def test_prefill_kernel_switch(emulated, prefill_kernel, monkeypatch):
 
     prefill_kernel(None)
     monkeypatch.delenv("HERON_PREFILL_KERNEL", raising=False)
-    assert attention.prefill_kernel_choice() == "fma"  # until verified on a device
-    monkeypatch.setenv("HERON_PREFILL_KERNEL", "auto")
     assert attention.prefill_kernel_choice() == "auto"
+    monkeypatch.setenv("HERON_PREFILL_KERNEL", "fma")
+    assert attention.prefill_kernel_choice() == "fma"
     monkeypatch.setenv("HERON_PREFILL_KERNEL", "bogus")
     with pytest.raises(ValueError, match="fma, mma or auto"):
         attention.prefill_kernel_choice()

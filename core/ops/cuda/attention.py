@@ -107,7 +107,7 @@ def _decode(q, k_cache, v_cache, strides, block_tables, seq_lens, max_seq_len, d
 #: Which prefill kernel runs: "mma" (tensor cores, attention_prefill_mma.cu: float16 /
 #: bfloat16 caches, head dims `plan.prefill_mma_supported` takes), "fma" (CUDA cores,
 #: attention_prefill.cu: every dtype and head dim), "auto" (mma where supported, else fma),
-#: or None: the environment variable HERON_PREFILL_KERNEL (fma|mma|auto), default fma.
+#: or None: the environment variable HERON_PREFILL_KERNEL (fma|mma|auto), default auto.
 #: Forcing "mma" where it is unsupported raises.
 PREFILL_KERNEL: str | None = None
 #: Force one tensor-core tile (`plan.MmaTile`) instead of `plan_prefill_mma`'s choice
@@ -116,12 +116,8 @@ PREFILL_MMA_TILE: MmaTile | None = None
 
 
 def prefill_kernel_choice() -> str:
-    """"fma", "mma" or "auto": `PREFILL_KERNEL`, else $HERON_PREFILL_KERNEL, else "fma".
-
-    NOTE: the default stays "fma" until the tensor-core kernel has passed tests/gpu on a
-    device; then it becomes "auto".
-    """
-    choice = (PREFILL_KERNEL or os.environ.get("HERON_PREFILL_KERNEL") or "fma").lower()
+    """"fma", "mma" or "auto": `PREFILL_KERNEL`, else $HERON_PREFILL_KERNEL, else "auto"."""
+    choice = (PREFILL_KERNEL or os.environ.get("HERON_PREFILL_KERNEL") or "auto").lower()
     if choice not in ("fma", "mma", "auto"):
         raise ValueError("HERON_PREFILL_KERNEL / PREFILL_KERNEL must be fma, mma or auto, "
                          f"not {choice!r}")
