@@ -25,6 +25,9 @@ TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 128, "intermediate_size":
         "head_dim": 32, "max_position_embeddings": 8192}
 
 
+MAX_BATCHED_TOKENS = 8192
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -61,47 +64,62 @@ def heron_engine(model_dir: Path, device, dtype, max_seqs, kv_gb, cuda_graphs=Tr
         "model.path": str(model_dir), "model.family": "random-llama",
         "model.dtype": {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype],
         "model.device": device.type, "engine.max_num_seqs": max_seqs,
-        "engine.max_num_batched_tokens": 8192, "engine.kv_cache_memory_gb": kv_gb,
+        "engine.max_num_batched_tokens": MAX_BATCHED_TOKENS, "engine.kv_cache_memory_gb": kv_gb,
         "engine.cuda_graphs": cuda_graphs})
     return Engine(cfg, plugins)
 
 
-def start_batch(engine, name: str, batch: int, context: int, vocab: int, params) -> None:
-    """Add ``batch`` requests of ``context`` random tokens; step until each has its first token."""
+def start_batch(engine, name: str, batch: int, context: int, vocab: int, steps: int) -> list[str]:
+    """Add ``batch`` greedy requests of ``context`` random tokens, each with room for ``steps``
+    tokens past those it gets while the others prefill; step until each has its first token.
+    Returns their ids."""
+    from heron.core.sampling_params import SamplingParams
+
+    stagger = batch * context // MAX_BATCHED_TOKENS + 2  # prefill steps: the first ones decode
+    params = SamplingParams(max_tokens=steps + stagger + 8, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(batch)
-    for i in range(batch):
-        engine.add_request(f"{name}-{i}", torch.randint(0, vocab, (context,), generator=g).tolist(),
-                           params)
+    ids = [f"{name}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, torch.randint(0, vocab, (context,), generator=g).tolist(), params)
     produced = {}
     while len(produced) < batch or min(produced.values()) < 1:
         for out in engine.step():
             produced[out.request_id] = len(out.outputs[0].token_ids)
     sync(engine.device)
+    return ids
+
+
+def end_batch(engine, ids: list[str]) -> None:
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    sync(engine.device)
+    assert engine.num_blocks_in_use == 0
 
 
 def heron_decode(engine, batch: int, context: int, steps: int, vocab: int) -> dict:
-    from heron.core.sampling_params import SamplingParams
-
-    start_batch(engine, f"d{batch}", batch, context, vocab,
-                SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
+    """Tokens/s over ``steps`` engine steps in which all ``batch`` sequences decode."""
+    ids = start_batch(engine, f"d{batch}", batch, context, vocab, steps)
     start, tokens = time.perf_counter(), 0
-    while engine.has_unfinished():
+    for _ in range(steps):
         for out in engine.step():
             tokens += len(out.outputs[0].new_token_ids)
     sync(engine.device)
     elapsed = time.perf_counter() - start
-    return {"batch": batch, "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+    end_batch(engine, ids)
+    return {"batch": batch, "steps": steps, "tokens": tokens, "seconds": elapsed,
+            "tokens_per_s": tokens / elapsed}
 
 
-def profile_decode(engine, batch: int, context: int, steps: int, vocab: int) -> dict:
+def profile_decode(engine, batch: int, context: int, steps: int, vocab: int,
+                   tables: bool = True) -> dict:
     """Where a decode step's time goes: ``steps`` steps of ``batch`` sequences under the torch
-    profiler. Prints the kernels by device time; returns wall and device ms per step."""
+    profiler. Prints the kernels by device time and the host's calls by CPU time (``tables``);
+    returns wall and device ms per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    from heron.core.sampling_params import SamplingParams
-
-    start_batch(engine, f"p{batch}", batch, context, vocab,
-                SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
+    ids = start_batch(engine, f"p{batch}", batch, context, vocab, steps + 3)
     for _ in range(3):  # steady decode steps
         engine.step()
     sync(engine.device)
@@ -111,13 +129,14 @@ def profile_decode(engine, batch: int, context: int, steps: int, vocab: int) -> 
             engine.step()
         sync(engine.device)
         wall = time.perf_counter() - start
-    while engine.has_unfinished():
-        engine.step()
+    end_batch(engine, ids)
     events = prof.key_averages()
-    print(events.table(sort_by="self_device_time_total", row_limit=15), flush=True)
+    if tables:  # the kernels, then where the host spends its time (waits show as CUDA calls)
+        print(events.table(sort_by="self_device_time_total", row_limit=25), flush=True)
+        print(events.table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
     device_us = sum(e.self_device_time_total for e in events)
-    return {"batch": batch, "steps": steps, "wall_ms_per_step": wall * 1e3 / steps,
-            "device_ms_per_step": device_us / 1e3 / steps}
+    return {"batch": batch, "steps": steps, "async_scheduling": engine.async_scheduling,
+            "wall_ms_per_step": wall * 1e3 / steps, "device_ms_per_step": device_us / 1e3 / steps}
 
 
 def heron_prefill(engine, prompt_len: int, vocab: int, repeats: int = 3) -> dict:
@@ -255,9 +274,14 @@ def main() -> None:
             results["heron"]["decode"].append(r)
             print("heron decode", r, flush=True)
         if args.profile_batch:
-            results["heron"]["profile"] = profile_decode(engine, args.profile_batch, args.context,
-                                                         8, config["vocab_size"])
-            print("heron decode profile", results["heron"]["profile"], flush=True)
+            profiles = [profile_decode(engine, args.profile_batch, args.context, 8,
+                                       config["vocab_size"])]
+            engine.async_scheduling, on = False, engine.async_scheduling
+            profiles.append(profile_decode(engine, args.profile_batch, args.context, 8,
+                                           config["vocab_size"], tables=False))
+            engine.async_scheduling = on
+            results["heron"]["profile"] = profiles
+            print("heron decode profile", profiles, flush=True)
         results["heron"]["prefill"] = heron_prefill(engine, args.prefill, config["vocab_size"])
         print("heron prefill", results["heron"]["prefill"], flush=True)
         assert engine.num_blocks_in_use == 0
@@ -299,8 +323,10 @@ def format_table(results: dict) -> str:
                     + (f"{tp['tokens_per_s']:.0f} | {hp['tokens_per_s'] / tp['tokens_per_s']:.2f} | - |"
                        if tp else "- | - | - |"))
     rows += ["", f"attention kernels: {results['kernels'] or 'defaults'}"]
-    if prof := results["heron"].get("profile"):
-        rows.append(f"decode step at batch {prof['batch']}: {prof['wall_ms_per_step']:.2f} ms wall, "
+    for prof in results["heron"].get("profile") or ():
+        rows.append(f"decode step at batch {prof['batch']}"
+                    f"{'' if prof['async_scheduling'] else ', sync steps'}: "
+                    f"{prof['wall_ms_per_step']:.2f} ms wall, "
                     f"{prof['device_ms_per_step']:.2f} ms of kernels (profiled)")
     return "\n".join(rows)
 

@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from heron.core.ops.cuda import plan
 from heron.core.ops.cuda.launch import use_backend
 from heron.core.ops.cuda.plan import MmaTile, plan_prefill_mma, prefill_mma_smem_bytes
 from tests.gpu import cases, decode_cases, mamba_cases
@@ -83,8 +84,9 @@ def test_decode_attention(emulated, dtype, d, hq, hkv, bs, qlens, slens):
 
 def test_decode_context_bound(emulated):
     """A graph-style bound above every real length: same grid for any lengths below it."""
-    cases.check_paged_attention("cpu", torch.float32, [1, 1], [20, 90], num_q_heads=4,
-                                num_kv_heads=2, head_dim=64, block_size=16, max_seq_len=400)
+    with plan.decode_config(ctas_per_sm=4):  # 4 CTAs on the emulator's 4 SMs: split the 400
+        cases.check_paged_attention("cpu", torch.float32, [1, 1], [20, 90], num_q_heads=4,
+                                    num_kv_heads=2, head_dim=64, block_size=16, max_seq_len=400)
     (name, grid, _, _), (reduce_name, _, _, _) = emulated.launches
     assert (name, reduce_name) == ("paged_decode_kernel", "paged_decode_reduce_kernel")
     assert grid[0] > 1

@@ -29,18 +29,19 @@ def test_decode_plan_covers_the_context(num_seqs, max_seq_len, group, head_dim, 
 
 def test_decode_plan_fills_the_gpu_at_batch_one():
     p = plan.plan_decode(1, 8, 4096, 132, 4, 128)
-    assert p.max_splits * 8 >= 132  # at least one CTA per SM for a single long sequence
+    # about one CTA per SM for a single long sequence (partitions round up to whole CTA steps)
+    assert (p.max_splits + 1) * 8 >= 132
 
 
 @pytest.mark.parametrize("dtype_code,head_dim,group,mma", [
     (2, 128, 4, True), (1, 64, 1, True), (1, 128, 16, True), (0, 128, 4, False),
     (2, 96, 7, False), (2, 256, 2, False), (2, 128, 32, False)])
 def test_decode_plan_picks_tensor_cores_where_supported(dtype_code, head_dim, group, mma):
-    assert plan.DECODE_CONFIG.kernel == "fma"  # the default until mma is verified on a device
+    assert plan.DECODE_CONFIG.kernel == "auto"
     with plan.decode_config(kernel="auto"):
         p = plan.plan_decode(16, 8, 1024, 132, group, head_dim, dtype_code)
     assert p.mma is mma and p.defines["DECODE_MMA"] == int(mma)
-    assert p.defines["DECODE_UNROLL"] == (1 if mma else 4)
+    assert p.defines["DECODE_UNROLL"] == (2 if mma else 4)
     with plan.decode_config(kernel="fma"):
         assert not plan.plan_decode(16, 8, 1024, 132, group, head_dim, dtype_code).mma
     if not mma:

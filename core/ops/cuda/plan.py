@@ -25,8 +25,10 @@ PREFILL_TILES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16), (16, 8))
 
 #: Defaults of `DecodeConfig`: aim for DECODE_CTAS_PER_SM CTAs per SM (so batch 1 with a long
 #: context still fills the GPU), each taking between MIN_PARTITION (0: one CTA step of keys)
-#: and MAX_PARTITION keys of a context.
-DECODE_CTAS_PER_SM = 4
+#: and MAX_PARTITION keys of a context. Fitted on an H200 (bench/gpu_bench.py's decode sweep,
+#: bench/results/h200-2026-12-04): at Llama-3-8B shapes one CTA per SM with whole-context
+#: partitions streams the KV fastest once the batch fills the GPU.
+DECODE_CTAS_PER_SM = 1
 MIN_PARTITION = 0
 MAX_PARTITION = 1024
 #: Head dims / group sizes the tensor-core decode path takes (registers: see the kernel).
@@ -43,13 +45,12 @@ class DecodeConfig:
     supported). ``ctas_per_sm``, ``min_partition``, ``max_partition``: how contexts are split
     (see `plan_decode`); ``partition_size`` > 0 forces a partition size (sweeps, tests).
     ``warps`` per CTA; ``unroll``: rows in flight (keys per lane group for fma, 16-key chunks
-    per warp step for mma; 0 = the kernel's default, 4 / 1); ``key_lanes``: fma lanes per key
+    per warp step for mma; 0 = 4 / 2); ``key_lanes``: fma lanes per key
     row (0 = auto); ``prefetch``: load the next step before computing this one;
     ``min_blocks``: CTAs per SM the compiler must fit in registers (1 = no cap).
     """
 
-    # NOTE: "fma" until the tensor-core path has passed tests/gpu on a device; then "auto".
-    kernel: str = "fma"
+    kernel: str = "auto"
     ctas_per_sm: float = DECODE_CTAS_PER_SM
     min_partition: int = MIN_PARTITION
     max_partition: int = MAX_PARTITION
@@ -78,7 +79,7 @@ class DecodeConfig:
 
 #: The decode knobs in force; `decode_config` overrides them for a block (benchmarks, tests).
 #: $HERON_DECODE_KERNEL (fma|mma|auto) sets the kernel at import.
-DECODE_CONFIG = DecodeConfig(kernel=os.environ.get("HERON_DECODE_KERNEL", "fma").lower())
+DECODE_CONFIG = DecodeConfig(kernel=os.environ.get("HERON_DECODE_KERNEL", "auto").lower())
 
 
 @contextlib.contextmanager
@@ -157,7 +158,7 @@ def plan_decode(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int
                          f"of 64 <= {DECODE_MMA_MAX_HEAD_DIM} and group <= {DECODE_MMA_MAX_GROUP}; "
                          f"got dtype code {dtype_code}, head_dim {head_dim}, group {group_size}")
     mma = cfg.kernel == "mma" or (cfg.kernel == "auto" and supported)
-    unroll = cfg.unroll or (1 if mma else 4)
+    unroll = cfg.unroll or (2 if mma else 4)
     elem_size = 4 if dtype_code == 0 else 2
     step = decode_keys_per_step(mma, cfg.warps, unroll, cfg.key_lanes, head_dim, elem_size)
     max_seq_len = max(1, max_seq_len)

@@ -6,7 +6,7 @@ import torch
 
 from heron.core.ops.cuda.launch import dtype_code, i32, i64, launch
 
-_THREADS = 256
+_THREADS = 128
 
 
 def _heads_view(t: torch.Tensor) -> torch.Tensor:
@@ -34,8 +34,9 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     if num_tokens:
         pos = positions.to(device=q.device, dtype=torch.int64).contiguous()
         cs = cos_sin_cache.to(device=q.device, dtype=torch.float32).contiguous()
+        items = (num_q_heads + num_kv_heads) * (head_dim - rot_dim // 2)
         launch("rotary.cu", "rotary_kernel", {"HERON_DTYPE": dtype_code(q.dtype)},
-               (num_tokens, 1, 1), (_THREADS, 1, 1),
+               (num_tokens, -(-items // _THREADS), 1), (_THREADS, 1, 1),
                (q_out, k_out, q, i64(q.stride(0)), i64(q.stride(1)), k, i64(k.stride(0)),
                 i64(k.stride(1)), pos, cs, i32(num_q_heads), i32(num_kv_heads), i32(head_dim),
                 i32(rot_dim)), device=q.device)

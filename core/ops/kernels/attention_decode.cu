@@ -10,7 +10,7 @@
 //                    bfloat16, HEAD_DIM % 64 == 0 and GROUP_SIZE <= 16. 0: CUDA cores (any).
 //   DECODE_WARPS     warps per CTA (default 4)
 //   DECODE_UNROLL    rows in flight: keys each lane group loads before using any (CUDA-core
-//                    path), or 16-key chunks per warp step (tensor-core path). Default 4 / 1.
+//                    path), or 16-key chunks per warp step (tensor-core path). Default 4 / 2.
 //   DECODE_KEY_LANES CUDA-core path: lanes sharing one key row, a power of two <= 32; 0 = the
 //                    fewest that cover HEAD_DIM with one 16-byte vector each (default 0)
 //   DECODE_PREFETCH  1: issue the next step's loads before computing this step (default 0)
@@ -52,7 +52,7 @@
 #define DECODE_WARPS 4
 #endif
 #ifndef DECODE_UNROLL
-#define DECODE_UNROLL (DECODE_MMA ? 1 : 4)
+#define DECODE_UNROLL (DECODE_MMA ? 2 : 4)
 #endif
 #ifndef DECODE_KEY_LANES
 #define DECODE_KEY_LANES 0
