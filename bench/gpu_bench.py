@@ -2,7 +2,8 @@
 
 Sections (``--only a,b``; default all): ``env``, ``bandwidth`` (device-to-device copy,
 GB/s), ``matmul`` (bf16 8192^3, TFLOP/s), ``ops`` (norm / activation / rotary / KV write
-vs their torch references), ``decode`` (paged decode attention at batch 1/16/64/256, 1k
+vs their torch references), ``gemm`` (the decode step's projections at Llama-3-8B shapes, in
+several cuBLAS layouts and libraries, vs their bytes' roofline), ``decode`` (paged decode attention at batch 1/16/64/256, 1k
 context, and batch 16 at 4k, Llama-3-8B shapes, default plan, vs torch SDPA on contiguous
 K/V and vs the HBM roofline), ``prefill`` (the
 CUDA-core and tensor-core prefill kernels, and the tensor-core tiles, vs SDPA), ``mamba`` (the
@@ -133,6 +134,83 @@ def section_matmul(args) -> dict:
     return {"n": n, "ms": ms, "tflops": 2 * n**3 / ms / 1e9}
 
 
+#: Llama-3-8B's projections, (in, out) of each weight [out, in]; per layer but lm_head.
+GEMMS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
+         "lm_head": (4096, 128256)}
+GEMM_ROWS = (1, 16, 64, 256)
+#: Ways to compute x @ W.T: heron's F.linear on W [out, in] (cuBLAS "TN"), a matmul with the
+#: weight stored transposed ([in, out]: "NN"), and F.linear under each BLAS library torch has.
+GEMM_VARIANTS = ("linear", "transposed", "linear-cublas", "linear-cublaslt")
+
+
+def section_gemm(args, bandwidth_gbps: float) -> dict:
+    """The decode step's GEMMs at Llama-3-8B shapes, bf16, at each of GEMM_ROWS rows, in each
+    of GEMM_VARIANTS: GPU µs (graph replay, weights rotated past L2), x the bytes' roofline
+    (weight + activations over the copy bandwidth). Then, per row count, a decode step's
+    GEMM ms (32 layers + lm_head) for each variant, against the weights' roofline."""
+    backends = torch.backends.cuda
+    default_lib = backends.preferred_blas_library()
+    out: dict = {"default_blas": str(default_lib), "shapes": {}, "per_step_ms": {}}
+    try:
+        for name, (k, n) in GEMMS.items():
+            nbytes = 2 * k * n
+            sets = max(1, min(GRAPH_CALLS, -(-DECODE_ROTATE_BYTES // nbytes)))
+            ws = [torch.randn(n, k, generator=gen(), device="cuda", dtype=torch.bfloat16) * 0.02
+                  for _ in range(sets)]
+            wts = [w.t().contiguous() for w in ws]
+            for m in GEMM_ROWS:
+                x = torch.randn(m, k, generator=gen(), device="cuda", dtype=torch.bfloat16)
+                ref = F.linear(x.float(), ws[0].float())
+                roof_us = (nbytes + 2 * m * (k + n)) / bandwidth_gbps / 1e3
+                row = out["shapes"].setdefault(f"{name} M={m}", {"roofline_us": roof_us})
+                for variant in GEMM_VARIANTS:
+                    if variant == "transposed":
+                        fns = [lambda wt=wt: x @ wt for wt in wts]
+                    else:
+                        fns = [lambda w=w: F.linear(x, w) for w in ws]
+                    lib = variant.partition("-")[2]
+                    try:
+                        backends.preferred_blas_library(lib or default_lib)
+                        err = _rel_err(fns[0](), ref)
+                        us = time_graph_rotating(fns) * 1e3
+                        row[variant] = {"us": us, "x_roofline": us / roof_us, "rel_err": err}
+                    except Exception as exc:  # a library torch lacks here
+                        row[variant] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                    finally:
+                        backends.preferred_blas_library(default_lib)
+            del ws, wts
+            torch.cuda.empty_cache()
+    finally:
+        backends.preferred_blas_library(default_lib)
+    weights = sum(2 * k * n * (1 if name == "lm_head" else 32) for name, (k, n) in GEMMS.items())
+    for m in GEMM_ROWS:
+        step = {"weights_roofline_ms": weights / bandwidth_gbps / 1e6}
+        for variant in GEMM_VARIANTS:
+            runs = [(out["shapes"][f"{name} M={m}"].get(variant, {}), 1 if name == "lm_head" else 32)
+                    for name in GEMMS]
+            if all("us" in r for r, _ in runs):
+                step[variant] = sum(r["us"] * times for r, times in runs) / 1e3
+        out["per_step_ms"][m] = step
+    return out
+
+
+def _gemm_markdown(g: dict) -> list[str]:
+    lines = [f"GEMMs of a Llama-3-8B decode step, bf16 (default BLAS {g['default_blas']}): µs and x "
+             "the bytes' roofline, weights rotated past L2", "",
+             "| GEMM | roofline µs | " + " | ".join(GEMM_VARIANTS) + " |",
+             "|---|---|" + "---|" * len(GEMM_VARIANTS)]
+    for name, row in g["shapes"].items():
+        cells = [f"{row[v]['us']:.1f} ({row[v]['x_roofline']:.2f}x)" if "us" in row.get(v, {})
+                 else "error" for v in GEMM_VARIANTS]
+        lines.append(f"| {name} | {row['roofline_us']:.1f} | " + " | ".join(cells) + " |")
+    lines += ["", "| rows | weights roofline ms | " + " | ".join(GEMM_VARIANTS) + " |",
+              "|---|---|" + "---|" * len(GEMM_VARIANTS)]
+    for m, step in g["per_step_ms"].items():
+        lines.append(f"| {m} | {step['weights_roofline_ms']:.2f} | "
+                     + " | ".join(f"{step[v]:.2f}" if v in step else "-" for v in GEMM_VARIANTS) + " |")
+    return lines + [""]
+
+
 def section_ops(args) -> dict:
     from heron.core import ops
     from heron.core.ops import cuda as cuda_ops
@@ -187,7 +265,9 @@ def _paged_kv(num_seqs: int, context: int, dtype=torch.bfloat16, sets: int = 1):
 
 
 #: (batch, context) of the decode measurements, Llama-3-8B attention shapes.
-DECODE_SHAPES = ((1, 1024), (16, 1024), (64, 1024), (256, 1024), (16, 4096))
+#: (batch, context); 64 x 1088 is the end-to-end run's batch-64 step (a context just past a
+#: 1024-key partition).
+DECODE_SHAPES = ((1, 1024), (16, 1024), (64, 1024), (64, 1088), (256, 1024), (16, 4096))
 #: Rotate among enough KV sets that one graph replay streams at least this many bytes (L2 is
 #: 50 MB on H100/H200): a real decode step reads each layer's KV after the other layers'.
 DECODE_ROTATE_BYTES = 160 << 20
@@ -284,6 +364,7 @@ DECODE_PARTITIONS = {
     (1, 1024): (16, 32, 64, 128, 256),
     (16, 1024): (64, 128, 256, 512, 1024),
     (64, 1024): (128, 256, 512, 1024),
+    (64, 1088): (256, 512, 1024, 1152, 2048),
     (256, 1024): (256, 512, 1024),
     (16, 4096): (256, 512, 1024, 2048, 4096),
 }
@@ -683,7 +764,7 @@ def _mamba_markdown(m: dict) -> list[str]:
     return lines + [""]
 
 
-SECTIONS = ["env", "bandwidth", "matmul", "ops", "decode", "prefill", "mamba", "decode_sweep"]
+SECTIONS = ["env", "bandwidth", "matmul", "ops", "gemm", "decode", "prefill", "mamba", "decode_sweep"]
 
 
 # ---------------------------------------------------------------------------- report
@@ -753,6 +834,8 @@ def markdown(results: dict) -> str:
             lines.append(f"| {name} | {h['gpu_ms']*1e3:.1f} / {h['eager_ms']*1e3:.1f} | "
                          f"{t['gpu_ms']*1e3:.1f} / {t['eager_ms']*1e3:.1f} |")
         lines.append("")
+    if isinstance(results.get("gemm"), dict) and "error" not in results["gemm"]:
+        lines += _gemm_markdown(results["gemm"])
     if isinstance(results.get("decode"), dict) and "error" not in results["decode"]:
         lines += ["Decode attention, default plan, Llama-3-8B shapes (32q/8kv heads, d128, bf16, block 16); "
                   "KV sets rotated past L2", "",
@@ -803,7 +886,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in wanted:
         t0 = time.perf_counter()
         try:
-            if name in ("decode", "mamba", "decode_sweep"):  # rooflines need the bandwidth
+            if name in ("gemm", "decode", "mamba", "decode_sweep"):  # rooflines need the bandwidth
                 bw = results.get("bandwidth", {}).get("copy_gbps") or section_bandwidth(args)["copy_gbps"]
                 results[name] = globals()[f"section_{name}"](args, bw)
             else:
