@@ -369,6 +369,8 @@ DECODE_PARTITIONS = {
     (16, 4096): (256, 512, 1024, 2048, 4096),
 }
 DECODE_CTAS_PER_SM = (1, 2, 4, 8)
+#: The plan's bounds on a partition (`plan.DecodeConfig.max_partition`) fitted with it.
+DECODE_MAX_PARTITIONS = (1024, 2048, 4096)
 #: A variant whose output is further than this from SDPA's (relative norm) is flagged wrong.
 DECODE_ERR_LIMIT = 2e-2
 #: Seconds the sweep may take, compiles included ($HERON_SWEEP_BUDGET_S overrides); past it
@@ -492,10 +494,11 @@ def section_decode_sweep(args, bandwidth_gbps: float | None) -> dict:
             shape = out["shapes"][f"{batch}x{context}"]
             sizes = set(DECODE_PARTITIONS[(batch, context)])
             for ctas in DECODE_CTAS_PER_SM:
-                p = plan.plan_decode(batch, hkv, context, sms, hq // hkv, d, 2,
-                                     plan.DecodeConfig(**config, ctas_per_sm=ctas))
-                shape["plans"][f"{name} ctas_per_sm={ctas}"] = p.partition_size
-                sizes.add(p.partition_size)
+                for max_partition in DECODE_MAX_PARTITIONS:
+                    p = plan.plan_decode(batch, hkv, context, sms, hq // hkv, d, 2, plan.DecodeConfig(
+                        **config, ctas_per_sm=ctas, max_partition=max_partition))
+                    shape["plans"][_plan_key(name, ctas, max_partition)] = p.partition_size
+                    sizes.add(p.partition_size)
             for size in sorted(sizes):
                 with plan.decode_config(plan.DecodeConfig(**config, partition_size=size)):
                     measure(shape, ref, f"{name} P={size}", [
@@ -513,10 +516,22 @@ def section_decode_sweep(args, bandwidth_gbps: float | None) -> dict:
     return out
 
 
+def _plan_key(name: str, ctas: int, max_partition: int) -> str:
+    """The label of a variant's planned partition size; the plan's default bound omitted."""
+    from heron.core.ops.cuda import plan
+
+    bound = "" if max_partition == plan.MAX_PARTITION else f" max_partition={max_partition}"
+    return f"{name} ctas_per_sm={ctas}{bound}"
+
+
 def _recommend(shapes: dict) -> dict:
     """The variant with the best geometric mean of (its best time / the best time) over the
-    shapes, each shape at its best partition size; and its per-shape best partition."""
+    shapes, each shape at its best partition size, and its per-shape best partition; then
+    the plan knobs (ctas_per_sm, max_partition) whose own partitions of it came closest."""
     import math
+
+    def geomean(ratios):
+        return math.exp(sum(map(math.log, ratios)) / len(ratios))
 
     scores = {}
     for name in DECODE_VARIANTS:
@@ -530,24 +545,29 @@ def _recommend(shapes: dict) -> dict:
             ratios.append(runs[lbl]["us"] / shape["best"]["us"])
             sizes[key] = int(lbl.split("P=")[1])
         else:
-            scores[name] = {"geomean_x_best": math.exp(sum(map(math.log, ratios)) / len(ratios)),
-                            "best_partition": sizes}
+            scores[name] = {"geomean_x_best": geomean(ratios), "best_partition": sizes}
     if not scores:
         return {}
     name = min(scores, key=lambda n: scores[n]["geomean_x_best"])
 
-    def at_ctas(ctas):  # the variant with the plan's own partitions at this ctas_per_sm
+    def planned(ctas, max_partition):  # the variant at the plan's own partitions
         ratios = []
         for shape in shapes.values():
-            run = shape["runs"].get(f"{name} P={shape['plans'].get(f'{name} ctas_per_sm={ctas}')}", {})
+            size = shape["plans"].get(_plan_key(name, ctas, max_partition))
+            run = shape["runs"].get(f"{name} P={size}", {})
             if "us" not in run or run.get("wrong"):
                 return None
             ratios.append(run["us"] / shape["best"]["us"])
-        return math.exp(sum(map(math.log, ratios)) / len(ratios))
+        return geomean(ratios)
 
-    planned = {c: r for c in DECODE_CTAS_PER_SM if (r := at_ctas(c)) is not None}
-    fitted = {"ctas_per_sm": min(planned, key=planned.get),
-              "planned_geomean_x_best": {c: round(r, 3) for c, r in planned.items()}} if planned else {}
+    fits = {(c, m): r for c in DECODE_CTAS_PER_SM for m in DECODE_MAX_PARTITIONS
+            if (r := planned(c, m)) is not None}
+    fitted = {}
+    if fits:
+        ctas, max_partition = min(fits, key=fits.get)
+        fitted = {"ctas_per_sm": ctas, "max_partition": max_partition,
+                  "planned_geomean_x_best": {f"ctas_per_sm={c} max_partition={m}": round(r, 3)
+                                             for (c, m), r in fits.items()}}
     return {"variant": name, "config": DECODE_VARIANTS[name], **scores[name], **fitted,
             "all": {n: round(s["geomean_x_best"], 3) for n, s in scores.items()}}
 

@@ -210,7 +210,7 @@ PREFILL_ERR_LIMIT = 2e-2
 
 def choose_kernels(bench: dict) -> dict:
     """Run the fastest correct attention kernels of a bench/gpu_bench.py run: its recommended
-    decode variant at its fitted ctas_per_sm, the fastest prefill kernel on the 4k prompt
+    decode variant with its fitted plan knobs, the fastest prefill kernel on the 4k prompt
     within PREFILL_ERR_LIMIT of SDPA. Returns what was chosen."""
     from heron.core.ops.cuda import attention, plan
 
@@ -218,7 +218,8 @@ def choose_kernels(bench: dict) -> dict:
     rec = bench.get("decode_sweep", {}).get("recommended") or {}
     if "config" in rec:
         plan.DECODE_CONFIG = plan.DecodeConfig(
-            **rec["config"], ctas_per_sm=rec.get("ctas_per_sm", plan.DECODE_CTAS_PER_SM))
+            **rec["config"], ctas_per_sm=rec.get("ctas_per_sm", plan.DECODE_CTAS_PER_SM),
+            max_partition=rec.get("max_partition", plan.MAX_PARTITION))
         chosen["decode"] = dataclasses.asdict(plan.DECODE_CONFIG)
     kernels = bench.get("prefill", {}).get("cases", {}).get("4096 causal", {}).get("kernels", {})
     ok = {label: r for label, r in kernels.items()
