@@ -30,6 +30,9 @@ ROUTES = (
      False),
     ("delete", "/v1/responses/{response_id}", "Drop a stored response", None,
      resp_api.ResponseDeleted, False),
+    ("get", "/v1/responses/{response_id}/input_items", "The conversation a stored response "
+     "answered, newest first (query: `after`, `limit` 1-100, `order`)", None,
+     resp_api.InputItemList, False),
     ("post", "/v1/embeddings", "Embeddings (embedding models: `model.task = \"embed\"`)",
      req.EmbeddingRequest, res.EmbeddingResponse, False),
     ("post", "/v1/translations", "Translation (translation models: `src_lang` and `tgt_lang` "

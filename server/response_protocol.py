@@ -246,6 +246,26 @@ class ResponseDeleted(_Out, kw_only=True):
     deleted: bool = True
 
 
+class InputItemsQuery(_Body, kw_only=True):
+    """The query of GET /v1/responses/{id}/input_items: a page of ``limit`` items after the
+    item ``after`` (by id), newest first unless ``order`` is "asc"."""
+
+    after: str | None = None
+    limit: Annotated[int, Meta(ge=1, le=100)] = 20
+    order: Literal["asc", "desc"] = "desc"
+
+
+class InputItemList(_Out, kw_only=True):
+    """The conversation a stored response answered: the items of the responses it continues
+    (their inputs and outputs), then its own input; each with its id."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 # -- the stream's events -----------------------------------------------------------------
 
 class Event(_Out, kw_only=True, tag_field="type"):

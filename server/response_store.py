@@ -3,7 +3,8 @@
 recently used first out), each seen only by the tenant whose request made it.
 
 An entry holds its response and the whole conversation up to it as input items: the
-previous response's items, this request's input, this response's output. Items are shared
+previous response's items, this request's input (each named with an id if it came without
+one), this response's output. Items are shared
 between the entries of one conversation (a tuple of references), so a long conversation
 costs its text once, and dropping an entry never breaks the entries that continue it.
 """

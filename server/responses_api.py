@@ -19,6 +19,7 @@ OpenAI's API), and ``GET`` / ``DELETE /v1/responses/{id}`` read and drop it.
 from __future__ import annotations
 
 import itertools
+import uuid
 from dataclasses import dataclass
 
 import msgspec
@@ -37,7 +38,8 @@ from heron.server.reasoning import ReasoningParser, ReasoningSplit, plan_thinkin
 from heron.server.response_output import OutputBuilder
 from heron.server.response_protocol import (INPUT_ITEMS, Event, FunctionCallItem,
                                             FunctionChoice,
-                                            IncompleteDetails, InputTokensDetails, MessageItem,
+                                            IncompleteDetails, InputItemList, InputItemsQuery,
+                                            InputTokensDetails, MessageItem,
                                             OutputFunctionCall, OutputTokensDetails,
                                             ReasoningItem, Response,
                                             ResponseCompleted, ResponseCreated, ResponseDeleted,
@@ -100,6 +102,61 @@ async def retrieve_response(request: web.Request) -> web.Response:
         raise _not_found(request.match_info["response_id"])
     return web.Response(body=msgspec.json.encode(stored.response),
                         content_type="application/json")
+
+
+async def list_input_items(request: web.Request) -> web.Response:
+    """GET /v1/responses/{response_id}/input_items: the conversation a stored response of
+    this tenant's answered, a page at a time (`InputItemsQuery`), or a 404."""
+    # `include` asks for fields of image and file items, which no stored input holds
+    fields = {k: v for k, v in request.query.items() if k not in ("include", "include[]")}
+    try:
+        query = msgspec.convert(fields, InputItemsQuery, strict=False)
+    except msgspec.ValidationError as e:
+        raise from_decode_error(e) from None
+    response_id = request.match_info["response_id"]
+    stored = request.app[RESPONSE_STORE].get(tenant_of(request), response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    items = [_listed(item) for item in
+             stored.conversation[:len(stored.conversation) - len(stored.response.output)]]
+    if query.order == "desc":
+        items.reverse()
+    if query.after is not None:
+        start = next((i + 1 for i, item in enumerate(items) if item["id"] == query.after), None)
+        if start is None:
+            raise bad_request(f"no input item of response {response_id!r} has the id "
+                              f"{query.after!r}", param="after")
+        items = items[start:]
+    page = items[:query.limit]
+    listed = InputItemList(data=page, first_id=page[0]["id"] if page else None,
+                           last_id=page[-1]["id"] if page else None,
+                           has_more=len(items) > len(page))
+    return web.Response(body=msgspec.json.encode(listed), content_type="application/json")
+
+
+def _listed(item: Item) -> Item:
+    """A kept input item as OpenAI lists it: typed, with a status, a message's text as
+    content parts (the kept item stays as it came: the template renders it so)."""
+    kind = item.get("type", "message")
+    out = {"type": kind, **item}
+    if kind != "reasoning":
+        out.setdefault("status", "completed")
+    if kind == "message" and isinstance(item["content"], str):
+        part = "output_text" if item["role"] == "assistant" else "input_text"
+        out["content"] = [{"type": part, "text": item["content"]}]
+    return out
+
+
+#: Id prefixes of the input items the server names (those that came without an id).
+_ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                   "reasoning": "rs"}
+
+
+def _named(item: Item) -> Item:
+    """``item`` with an id: its own, else a new one (what input_items lists it by)."""
+    if item.get("id"):
+        return item
+    return {**item, "id": f"{_ITEM_ID_PREFIX[item.get('type', 'message')]}_{uuid.uuid4().hex}"}
 
 
 async def delete_response(request: web.Request) -> web.Response:
@@ -280,8 +337,9 @@ class _Answer:
         response = self.response(status, self._usage(c))
         if self.keep is not None:
             output = tuple(msgspec.to_builtins(item) for item in response.output)
+            inputs = (_named(item) for item in input_items(self.req))
             self.keep.store.put(self.keep.tenant, StoredResponse(
-                response, (*self.keep.earlier, *input_items(self.req), *output)))
+                response, (*self.keep.earlier, *inputs, *output)))
         if status == "incomplete":
             return ResponseIncomplete(response=response)
         return ResponseCompleted(response=response)

@@ -290,6 +290,45 @@ def test_stored_responses_are_read_and_deleted_by_id(plain):
         assert error["param"] == "previous_response_id"
 
 
+def test_input_items_list_the_conversation_a_response_answered(plain):
+    """The SDK's ``responses.input_items.list``: the earlier turns' inputs and outputs, then
+    this turn's input, each with an id that stays the same from one response to the next;
+    newest first by default, a page at a time."""
+    client = plain.client()
+    first = respond(plain, input="What is 2 + 2?", max_output_tokens=4)
+    [asked] = client.responses.input_items.list(first.id).data
+    assert asked.type == "message" and asked.role == "user" and asked.status == "completed"
+    assert [(p.type, p.text) for p in asked.content] == [("input_text", "What is 2 + 2?")]
+    assert asked.id.startswith("msg_")
+    new = [{"role": "user", "content": "And 3 + 3?"},
+           {"type": "message", "role": "user", "id": "msg_mine",
+            "content": [{"type": "input_text", "text": "Quickly."}]}]
+    second = respond(plain, previous_response_id=first.id, input=new, max_output_tokens=4)
+    oldest_first = client.responses.input_items.list(second.id, order="asc").data
+    answer = [item.id for item in first.output]
+    assert [item.id for item in oldest_first][:1 + len(answer)] == [asked.id, *answer]
+    assert oldest_first[-1].id == "msg_mine"
+    assert [p.text for item in oldest_first[-2:] for p in item.content] == ["And 3 + 3?",
+                                                                          "Quickly."]
+    newest_first = client.responses.input_items.list(second.id).data
+    assert [item.id for item in newest_first] == [item.id for item in oldest_first][::-1]
+    page = client.responses.input_items.list(second.id, limit=2)
+    assert [item.id for item in page.data] == [item.id for item in newest_first[:2]]
+    assert page.has_more and (page.first_id, page.last_id) == (newest_first[0].id,
+                                                               newest_first[1].id)
+    rest = client.responses.input_items.list(second.id, after=page.last_id, limit=100,
+                                             include=["message.input_image.image_url"])
+    assert [item.id for item in rest.data] == [item.id for item in newest_first[2:]]
+    assert not rest.has_more
+    for query, param in (("limit=0", "limit"), ("order=up", "order"), ("after=msg_none", "after"),
+                         ("limit=many", "limit")):
+        status, _, raw = plain.http("GET", f"/v1/responses/{second.id}/input_items?{query}")
+        error = json.loads(raw)["error"]
+        assert status == 400 and error["param"] == param, (query, error)
+    status, _, raw = plain.http("GET", "/v1/responses/resp_none/input_items")
+    assert status == 404 and json.loads(raw)["error"]["code"] == "response_not_found"
+
+
 def test_each_tenant_sees_its_own_responses_and_the_store_keeps_the_newest(model_dir):
     tenants = {"acme": ["key-a"], "globex": ["key-g"]}
     with serve(model_dir, **{"server.tenants": tenants, "server.max_stored_responses": 2}) as s:
@@ -303,6 +342,8 @@ def test_each_tenant_sees_its_own_responses_and_the_store_keeps_the_newest(model
         assert refused.value.code == "previous_response_not_found"
         with pytest.raises(openai.NotFoundError):
             globex.responses.delete(a1.id)
+        with pytest.raises(openai.NotFoundError):
+            globex.responses.input_items.list(a1.id)
         acme.responses.retrieve(a1.id)  # now the most recently used: a2 goes first
         acme.responses.create(**ask)
         assert acme.responses.retrieve(a1.id).id == a1.id
