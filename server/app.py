@@ -11,13 +11,14 @@ from aiohttp import web
 from heron.core.async_engine import AsyncEngine
 from heron.core.config import Config
 from heron.core.engine import Engine
-from heron.server.appkeys import (ADAPTER_LOCK, ASYNC_ENGINE, CONFIG, CREATED_AT, METRICS,
-                                  MODEL_NAME, REASONING, RESPONSE_STORE, TOKEN_TEXTS)
+from heron.server.appkeys import (ADAPTER_LOCK, ASYNC_ENGINE, BACKGROUND, CONFIG, CREATED_AT,
+                                  METRICS, MODEL_NAME, REASONING, RESPONSE_STORE, TOKEN_TEXTS)
 from heron.server.errors import error_middleware
 from heron.server.logprob_format import TokenTexts
 from heron.server.metrics import Metrics
 from heron.server.middleware import auth_middleware, echo_request_id, request_id_middleware
 from heron.server.reasoning import reasoning_parser
+from heron.server.response_background import BackgroundResponses
 from heron.server.response_store import ResponseStore
 from heron.server.routes import setup_routes
 from heron.server.translation_jobs import check_language_defaults
@@ -35,6 +36,7 @@ def create_app(config: Config, *, engine: Engine | None = None) -> web.Applicati
     app[CONFIG] = config
     app[ADAPTER_LOCK] = asyncio.Lock()
     app[RESPONSE_STORE] = ResponseStore(config.server.max_stored_responses)
+    app[BACKGROUND] = BackgroundResponses()
     app.cleanup_ctx.append(_engine_context(engine))
     app.on_response_prepare.append(echo_request_id)
     setup_routes(app)
@@ -77,6 +79,7 @@ def _engine_context(given: Engine | None):
             log.warning("a LoRA adapter has the base model's name; that name serves the base "
                         "model", adapter=app[MODEL_NAME])
         yield
+        await app[BACKGROUND].close()
         await async_engine.stop()
         log.info("engine stopped")
 

@@ -11,6 +11,7 @@ from heron.core.config import Config
 from heron.server.logprob_format import TokenTexts
 from heron.server.metrics import Metrics
 from heron.server.reasoning import ReasoningParser
+from heron.server.response_background import BackgroundResponses
 from heron.server.response_store import ResponseStore
 
 CONFIG = web.AppKey("config", Config)
@@ -22,6 +23,7 @@ CREATED_AT = web.AppKey("created_at", int)  # unix time the model was loaded
 ADAPTER_LOCK = web.AppKey("adapter_lock", asyncio.Lock)  # one adapter load/unload at a time
 REASONING = web.AppKey("reasoning", ReasoningParser)  # None without server.reasoning_parser
 RESPONSE_STORE = web.AppKey("response_store", ResponseStore)
+BACKGROUND = web.AppKey("background", BackgroundResponses)  # background responses running
 
-__all__ = ["ADAPTER_LOCK", "ASYNC_ENGINE", "CONFIG", "CREATED_AT", "METRICS", "MODEL_NAME",
-           "REASONING", "RESPONSE_STORE", "TOKEN_TEXTS"]
+__all__ = ["ADAPTER_LOCK", "ASYNC_ENGINE", "BACKGROUND", "CONFIG", "CREATED_AT", "METRICS",
+           "MODEL_NAME", "REASONING", "RESPONSE_STORE", "TOKEN_TEXTS"]

@@ -56,10 +56,12 @@ class Generation:
     def __init__(self, request: web.Request, kind: str, prompts: list[list[int]],
                  params: SamplingParams, cache_salt: str | None = None, *,
                  adapter: str | None = None,
-                 encoder_prompts: list[list[int]] | None = None, scoring: bool = False) -> None:
+                 encoder_prompts: list[list[int]] | None = None, scoring: bool = False,
+                 background: bool = False) -> None:
         """``scoring``: the call only scores its prompts (a completion's ``max_tokens: 0``
         with ``echo``); the token the engine generates for it is not the caller's, in usage
-        or metrics."""
+        or metrics. ``background``: the call runs on after its HTTP request has been
+        answered (a background response), so the client's connection does not stop it."""
         app = request.app
         self._request = request
         self.engine, self.metrics = app[ASYNC_ENGINE], app[METRICS]
@@ -83,6 +85,8 @@ class Generation:
         self.first_token_s: float | None = None
         self.timeout_s = app[CONFIG].server.request_timeout_s
         self.is_timed_out = False
+        self.background = background
+        self.cancelled = False  # `cancel` stopped it
         self._queue: asyncio.Queue[tuple[int, RequestDelta]] = asyncio.Queue()
         self._live: set[str] = set()
 
@@ -141,6 +145,11 @@ class Generation:
                      outcome="timeout" if self.is_timed_out
                      else _outcome(reason, aborted or exc_type is not None))
 
+    def cancel(self) -> None:
+        """Abort what still runs (its choices finish with "abort"); `cancelled` says so."""
+        self.cancelled = True
+        self._abort_live()
+
     def _abort_live(self) -> None:
         for rid in self._live:
             self.engine.abort(rid)
@@ -153,13 +162,14 @@ class Generation:
 
         Past ``server.request_timeout_s`` since arrival, aborts every engine request and
         raises a 408 `APIError` (code ``request_timeout``, which clients must not retry).
-        Raises ConnectionResetError once the client has gone: `serve` cancels the handler of
-        a lost connection anyway, this also covers apps run without handler cancellation.
+        Raises ConnectionResetError once the client has gone (not in the background): `serve`
+        cancels the handler of a lost connection anyway, this also covers apps run without
+        handler cancellation.
         """
         while self._live:
             p, delta = await self._next()
             transport = self._request.transport
-            if transport is None or transport.is_closing():
+            if not self.background and (transport is None or transport.is_closing()):
                 raise ConnectionResetError("the client disconnected")
             self._absorb(p, delta)
             yield p, delta

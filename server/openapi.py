@@ -33,6 +33,8 @@ ROUTES = (
     ("get", "/v1/responses/{response_id}/input_items", "The conversation a stored response "
      "answered, newest first (query: `after`, `limit` 1-100, `order`)", None,
      resp_api.InputItemList, False),
+    ("post", "/v1/responses/{response_id}/cancel", "Stop a background response (one that "
+     "ended comes back as it ended)", None, resp_api.Response, False),
     ("post", "/v1/embeddings", "Embeddings (embedding models: `model.task = \"embed\"`)",
      req.EmbeddingRequest, res.EmbeddingResponse, False),
     ("post", "/v1/translations", "Translation (translation models: `src_lang` and `tgt_lang` "

@@ -74,14 +74,13 @@ class ResponsesRequest(SamplingFields, kw_only=True):
     prompt_cache_key: str | None = None  # accepted: the prefix cache needs no key
     safety_identifier: str | None = None
     previous_response_id: str | None = None  # a stored response this one continues
+    background: bool | None = None  # answer at once; the response runs on, polled by id
     # refused by name (see `unsupported_field`)
-    background: bool | None = None
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
 
     def unsupported_field(self) -> str | None:
         refused = (
-            ("background", bool(self.background)),
             ("max_tool_calls", self.max_tool_calls is not None),
             ("top_logprobs", bool(self.top_logprobs)),
             ("truncation", self.truncation == "auto"),  # never cut: a 400 when it does not fit
@@ -211,19 +210,27 @@ class IncompleteDetails(_Out, kw_only=True):
     reason: Literal["max_output_tokens"]
 
 
+class ResponseError(_Out, kw_only=True):
+    code: str
+    message: str
+
+
 class Response(_Out, kw_only=True):
     """The request's settings come back beside the output, as OpenAI's do. ``store``: whether
-    the server keeps it (`heron.server.response_store`)."""
+    the server keeps it (`heron.server.response_store`). A background response
+    (`heron.server.response_background`) is "queued", then "in_progress", then ends
+    "completed", "incomplete", "failed" (with ``error``) or "cancelled"."""
 
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
+    background: bool = False
     model: str
     output: list[OutputItem]
     usage: ResponseUsage | None = None
     incomplete_details: IncompleteDetails | None = None
-    error: None = None
+    error: ResponseError | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
     parallel_tool_calls: bool = True

@@ -13,7 +13,9 @@ between ``response.created`` / ``response.in_progress`` and ``response.completed
 A finished response is kept unless the request says ``store: false``
 (`heron.server.response_store`): ``previous_response_id`` continues its conversation (the
 earlier items come before ``input``; its ``instructions`` do not carry over, as in
-OpenAI's API), and ``GET`` / ``DELETE /v1/responses/{id}`` read and drop it.
+OpenAI's API), ``GET`` / ``DELETE /v1/responses/{id}`` read and drop it, and ``GET
+/v1/responses/{id}/input_items`` lists the conversation it answered. ``background: true``
+answers at once and runs on (`heron.server.response_background`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from aiohttp import web
 from heron.core.sampling_params import StructuredOutput
 from heron.server.admission import (chat_prompt, check_fits, check_request, sampling_params,
                                     template_kwargs)
-from heron.server.appkeys import CONFIG, REASONING, RESPONSE_STORE
+from heron.server.appkeys import BACKGROUND, CONFIG, REASONING, RESPONSE_STORE
 from heron.server.embeddings import refuse_embedding_model
 from heron.server.errors import APIError, bad_request, decode_body, from_decode_error
 from heron.server.generation import Choice, Generation
@@ -43,6 +45,7 @@ from heron.server.response_protocol import (INPUT_ITEMS, Event, FunctionCallItem
                                             OutputFunctionCall, OutputTokensDetails,
                                             ReasoningItem, Response,
                                             ResponseCompleted, ResponseCreated, ResponseDeleted,
+                                            ResponseError,
                                             ResponseIncomplete, ResponseInProgress,
                                             ResponsesRequest, ResponseUsage, TextConfig,
                                             TextFormat)
@@ -58,6 +61,15 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     adapter = check_request(app, req)
     refuse_translation_model(app, "/v1/responses")
     refuse_embedding_model(app, "/v1/responses")
+    store = app[RESPONSE_STORE]
+    kept = req.store is not False and store.capacity > 0
+    if req.background and req.stream:
+        raise bad_request("`stream` with `background` is not served: poll GET "
+                          "/v1/responses/{id} for the response", param="stream")
+    if req.background and not kept:
+        raise bad_request("a background response must be stored, to be read back by id "
+                          "(not `store: false`, and server.max_stored_responses > 0)",
+                          param="background")
     earlier = _earlier(request, req.previous_response_id)
     messages = conversation(req, earlier)
     fmt = req.text.format if req.text is not None else None
@@ -77,12 +89,15 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     params = sampling_params(app, req, max_tokens=req.max_output_tokens, logprobs=None,
                              structured=structured)
     thinking = plan_thinking(app[REASONING], prompt_ids, params)
-    async with Generation(request, "resp", [prompt_ids], params, req.cache_salt,
-                          adapter=adapter) as gen:
-        store = app[RESPONSE_STORE]
-        keep = _Keep(store, tenant_of(request), earlier) if (
-            req.store is not False and store.capacity) else None
-        answer = _Answer(req, gen, tools, app[REASONING], thinking, keep)
+    gen = Generation(request, "resp", [prompt_ids], params, req.cache_salt, adapter=adapter,
+                     background=bool(req.background))
+    keep = _Keep(store, tenant_of(request), earlier) if kept else None
+    answer = _Answer(req, gen, tools, app[REASONING], thinking, keep)
+    if req.background:
+        queued = answer.response("queued")
+        await app[BACKGROUND].start((keep.tenant, gen.id), gen, answer.run_in_background)
+        return web.Response(body=msgspec.json.encode(queued), content_type="application/json")
+    async with gen:
         if req.stream:
             return await _stream(request, answer)
         await gen.run_to_end()
@@ -159,11 +174,30 @@ def _named(item: Item) -> Item:
     return {**item, "id": f"{_ITEM_ID_PREFIX[item.get('type', 'message')]}_{uuid.uuid4().hex}"}
 
 
+async def cancel_response(request: web.Request) -> web.Response:
+    """POST /v1/responses/{response_id}/cancel: stop a background response of this tenant's;
+    one that already ended comes back as it ended."""
+    tenant, response_id = tenant_of(request), request.match_info["response_id"]
+    store = request.app[RESPONSE_STORE]
+    stored = store.get(tenant, response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    if not stored.response.background:
+        raise bad_request(f"the response {response_id!r} was not made in the background: only "
+                          "a background response (`background: true`) can be cancelled")
+    await request.app[BACKGROUND].cancel((tenant, response_id))
+    stored = store.get(tenant, response_id) or stored
+    return web.Response(body=msgspec.json.encode(stored.response),
+                        content_type="application/json")
+
+
 async def delete_response(request: web.Request) -> web.Response:
     """DELETE /v1/responses/{response_id}: drop a stored response of this tenant's (the
-    responses that continue it keep their conversations)."""
-    response_id = request.match_info["response_id"]
-    if not request.app[RESPONSE_STORE].delete(tenant_of(request), response_id):
+    responses that continue it keep their conversations), cancelling it if it still runs
+    in the background."""
+    tenant, response_id = tenant_of(request), request.match_info["response_id"]
+    await request.app[BACKGROUND].cancel((tenant, response_id))
+    if not request.app[RESPONSE_STORE].delete(tenant, response_id):
         raise _not_found(response_id)
     return web.Response(body=msgspec.json.encode(ResponseDeleted(id=response_id)),
                         content_type="application/json")
@@ -185,6 +219,10 @@ def _earlier(request: web.Request, previous_id: str | None) -> tuple[Item, ...]:
                           "sent with `store: false`, deleted ones, and the least recently "
                           "used past `server.max_stored_responses` are not kept)",
                           param="previous_response_id", code="previous_response_not_found")
+    if stored.response.status in ("queued", "in_progress"):
+        raise bad_request(f"Previous response with id {previous_id!r} is still running in the "
+                          "background: continue it once it has ended",
+                          param="previous_response_id", code="previous_response_running")
     return stored.conversation
 
 
@@ -299,6 +337,8 @@ class _Answer:
         self.held = ""  # "required": the answer, parsed once whole
         self.hold = CallHold()  # "auto": the content as it comes, the calls once whole
         self.call_id = new_call_id()  # "named": the one call
+        # named once: a background response is kept at each state under the same ids
+        self.inputs = tuple(_named(item) for item in input_items(req))
 
     def feed(self, text: str, finish_reason: str | None) -> list[Event]:
         """The events of the output's next ``text``; the last piece has its finish reason."""
@@ -335,14 +375,40 @@ class _Answer:
         with its conversation (the earlier items, ``input``, the output) when it is kept."""
         status = "incomplete" if c.finish_reason == "length" else "completed"
         response = self.response(status, self._usage(c))
-        if self.keep is not None:
-            output = tuple(msgspec.to_builtins(item) for item in response.output)
-            inputs = (_named(item) for item in input_items(self.req))
-            self.keep.store.put(self.keep.tenant, StoredResponse(
-                response, (*self.keep.earlier, *inputs, *output)))
+        self._keep(response)
         if status == "incomplete":
             return ResponseIncomplete(response=response)
         return ResponseCompleted(response=response)
+
+    async def run_in_background(self) -> None:
+        """A background response from "queued" to its end, each state kept as it is
+        reached (`heron.server.response_background`)."""
+        self._keep(self.response("queued"))
+        started = False
+        try:
+            async for _ in self.gen.deltas():
+                if not started:
+                    started = True
+                    self._keep(self.response("in_progress"))
+        except APIError as e:  # past server.request_timeout_s
+            self._keep(self.response("failed", self._usage(self.gen.choices[(0, 0)]), error=e))
+            return
+        c = self.gen.choices[(0, 0)]
+        if self.gen.cancelled and c.finish_reason in (None, "abort"):  # not ended by itself
+            self._keep(self.response("cancelled", self._usage(c)))
+        elif (error := self.gen.failure()) is not None:
+            self._keep(self.response("failed", self._usage(c), error=error))
+        else:
+            self.feed(c.text, c.finish_reason)
+            self.final(c)
+
+    def _keep(self, response: Response) -> None:
+        """Store ``response`` with its conversation (the earlier items, ``input``, the
+        output), when it is kept."""
+        if self.keep is not None:
+            output = tuple(msgspec.to_builtins(item) for item in response.output)
+            self.keep.store.put(self.keep.tenant, StoredResponse(
+                response, (*self.keep.earlier, *self.inputs, *output)))
 
     def _usage(self, c: Choice) -> ResponseUsage:
         usage = self.gen.usage()
@@ -355,14 +421,18 @@ class _Answer:
             output_tokens_details=OutputTokensDetails(reasoning_tokens=thinking),
             total_tokens=usage.total_tokens)
 
-    def response(self, status: str, usage: ResponseUsage | None = None) -> Response:
+    def response(self, status: str, usage: ResponseUsage | None = None,
+                 error: APIError | None = None) -> Response:
         req = self.req
         choice = req.tool_choice
         return Response(
-            id=self.gen.id, created_at=self.gen.created, status=status, model=self.gen.model,
+            id=self.gen.id, created_at=self.gen.created, status=status,
+            background=bool(req.background), model=self.gen.model,
             output=list(self.output.items), usage=usage,
             incomplete_details=IncompleteDetails(reason="max_output_tokens")
             if status == "incomplete" else None,
+            error=None if error is None else ResponseError(code=error.code or error.type,
+                                                           message=error.message),
             instructions=req.instructions, max_output_tokens=req.max_output_tokens,
             parallel_tool_calls=req.parallel_tool_calls is not False,
             temperature=req.temperature, top_p=req.top_p,

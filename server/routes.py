@@ -9,8 +9,8 @@ from heron.server.completions import create_completion
 from heron.server.embeddings import create_embedding
 from heron.server.info import health, list_models, metrics, openapi, retrieve_model
 from heron.server.lora import load_lora_adapter, unload_lora_adapter
-from heron.server.responses_api import (create_response, delete_response, list_input_items,
-                                        retrieve_response)
+from heron.server.responses_api import (cancel_response, create_response, delete_response,
+                                        list_input_items, retrieve_response)
 from heron.server.tokenize import detokenize, tokenize
 from heron.server.translations import create_translation
 
@@ -27,6 +27,7 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/v1/responses/{response_id}", retrieve_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     app.router.add_post("/v1/embeddings", create_embedding)
     app.router.add_post("/v1/translations", create_translation)
     app.router.add_post("/tokenize", tokenize)

@@ -28,9 +28,11 @@ from tests.tiny_models import build_tiny
 
 MODEL = "tiny"
 LORA_ROUTES = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+#: POST routes that take no body (an action on what the path names).
+BODYLESS_POSTS = {"/v1/responses/{response_id}/cancel"}
 # bounds in the valid strategy, so that each generation is a few tokens
-CAPS = {"max_tokens": (1, 8), "max_completion_tokens": (1, 8), "n": (1, 3), "min_tokens": (0, 2),
-        "logprobs": (0, 5), "top_logprobs": (0, 5)}
+CAPS = {"max_tokens": (1, 8), "max_completion_tokens": (1, 8), "max_output_tokens": (1, 8),
+        "n": (1, 3), "min_tokens": (0, 2), "logprobs": (0, 5), "top_logprobs": (0, 5)}
 ALWAYS = {"max_tokens", "max_completion_tokens", "stream"}  # sent (not null) when a route has them
 FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
@@ -364,7 +366,8 @@ def routes(server) -> dict[str, Route]:
     found = {}
     for path, operations in doc["paths"].items():
         op = operations.get("post")
-        if op is None or (path in LORA_ROUTES and not server.config.lora.allow_runtime_updates):
+        if (op is None or path in BODYLESS_POSTS
+                or (path in LORA_ROUTES and not server.config.lora.allow_runtime_updates)):
             continue
         content = op.get("requestBody", {}).get("content", {})
         assert "application/json" in content, f"POST {path} publishes no JSON request schema"

@@ -6,6 +6,7 @@ held to a schema; the stream's events must add up to the whole response."""
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import openai
@@ -329,6 +330,97 @@ def test_input_items_list_the_conversation_a_response_answered(plain):
     assert status == 404 and json.loads(raw)["error"]["code"] == "response_not_found"
 
 
+def _poll(client, response_id: str, timeout_s: float = 60.0):
+    """The response once it has left "queued" and "in_progress"."""
+    deadline = time.monotonic() + timeout_s
+    while (out := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, f"{response_id} still {out.status}"
+        time.sleep(0.02)
+    return out
+
+
+def _idle(server) -> None:
+    """Every engine request over and every KV block free (a background task may be ending)."""
+    deadline = time.monotonic() + 10
+    while server.async_engine.num_requests and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.async_engine.num_requests == 0 and server.engine.num_blocks_in_use == 0
+
+
+#: A background response that runs long enough to be caught running (ignore_eos).
+LONG = {"input": "Tell me everything.", "max_output_tokens": 900, "extra_body": {"ignore_eos": True}}
+
+
+def test_background_response_runs_on_and_is_polled_by_id(plain):
+    """The POST answers "queued" at once; GET shows the response as the same request
+    answered in the foreground, with its conversation kept for input_items."""
+    client = plain.client()
+    queued = respond(plain, background=True)
+    assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+    done = _poll(client, queued.id)
+    ref = respond(plain)
+    assert done.status == ref.status and done.background and not ref.background
+    assert done.output_text == ref.output_text
+    assert (done.usage.input_tokens, done.usage.output_tokens) == (ref.usage.input_tokens,
+                                                                   ref.usage.output_tokens)
+    assert [item.role for item in client.responses.input_items.list(done.id).data] == ["user"]
+    again = client.responses.cancel(done.id)  # one that ended comes back as it ended
+    assert again.model_dump() == done.model_dump()
+    later = respond(plain, previous_response_id=done.id, input="Thanks", max_output_tokens=4)
+    assert later.usage.input_tokens > done.usage.input_tokens + done.usage.output_tokens
+    _idle(plain)
+
+
+def test_background_responses_are_cancelled_and_deleted_while_running(plain):
+    client = plain.client()
+    running = respond(plain, background=True, **LONG)
+    status, _, raw = plain.http("POST", "/v1/responses", {
+        "model": "tiny", "input": "and?", "previous_response_id": running.id})
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["code"] == "previous_response_running", error
+    cancelled = client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled" and cancelled.usage.output_tokens < 900
+    assert client.responses.retrieve(running.id).status == "cancelled"
+    assert client.responses.cancel(running.id).status == "cancelled"
+    _idle(plain)
+    doomed = respond(plain, background=True, **LONG)
+    status, _, _ = plain.http("DELETE", f"/v1/responses/{doomed.id}")
+    assert status == 200
+    _idle(plain)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(doomed.id)
+    foreground = respond(plain, max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(foreground.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_none")
+
+
+@pytest.mark.parametrize("extra,param", [({"stream": True}, "stream"),
+                                         ({"store": False}, "background")])
+def test_background_refuses_what_it_cannot_keep(plain, extra, param):
+    status, _, raw = plain.http("POST", "/v1/responses", {
+        "model": "tiny", "input": "hi", "background": True, **extra})
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] == param, error
+
+
+def test_a_background_response_past_the_deadline_fails(model_dir):
+    with serve(model_dir, **{"server.request_timeout_s": 0.3}) as s:
+        out = _poll(s.client(), respond(s, background=True, **LONG).id)
+        assert out.status == "failed" and out.error.code == "request_timeout", out.error
+        assert 0 < out.usage.output_tokens < 900
+        _idle(s)
+
+
+def test_a_server_stopping_ends_its_background_responses(model_dir):
+    with serve(model_dir) as s:
+        running = respond(s, background=True, **LONG)
+        assert running.status == "queued"
+        engine = s.engine
+    assert engine.num_blocks_in_use == 0 and not engine.has_unfinished()
+
+
 def test_each_tenant_sees_its_own_responses_and_the_store_keeps_the_newest(model_dir):
     tenants = {"acme": ["key-a"], "globex": ["key-g"]}
     with serve(model_dir, **{"server.tenants": tenants, "server.max_stored_responses": 2}) as s:
@@ -344,6 +436,8 @@ def test_each_tenant_sees_its_own_responses_and_the_store_keeps_the_newest(model
             globex.responses.delete(a1.id)
         with pytest.raises(openai.NotFoundError):
             globex.responses.input_items.list(a1.id)
+        with pytest.raises(openai.NotFoundError):
+            globex.responses.cancel(a1.id)
         acme.responses.retrieve(a1.id)  # now the most recently used: a2 goes first
         acme.responses.create(**ask)
         assert acme.responses.retrieve(a1.id).id == a1.id
