@@ -1,12 +1,13 @@
-"""Finished responses kept for ``previous_response_id`` and ``GET``/``DELETE
-/v1/responses/{id}``: in memory, the newest ``server.max_stored_responses`` of them (least
-recently used first out), each seen only by the tenant whose request made it.
+"""Responses kept for ``previous_response_id`` and ``/v1/responses/{id}`` (``GET``,
+``DELETE``, ``input_items``, ``cancel``): finished ones, and background ones at each state
+they reach; in memory, the newest ``server.max_stored_responses`` of them (least recently
+used first out), each seen only by the tenant whose request made it.
 
 An entry holds its response and the whole conversation up to it as input items: the
 previous response's items, this request's input (each named with an id if it came without
-one), this response's output. Items are shared
-between the entries of one conversation (a tuple of references), so a long conversation
-costs its text once, and dropping an entry never breaks the entries that continue it.
+one), this response's output. Items are shared between the entries of one conversation (a
+tuple of references), so a long conversation costs its text once, and dropping an entry
+never breaks the entries that continue it.
 """
 
 from __future__ import annotations
