@@ -1,8 +1,10 @@
 """End-to-end GPU benchmark: a random Llama-3-8B-shaped model, heron vs transformers (sdpa).
 
-Decode tokens/s at several batch sizes with 1k-token contexts, heron with async scheduling
-(the default on CUDA) and without, prefill tokens/s on a 4k prompt, and the HBM roofline
-of decode (weight + KV bytes per step / copy bandwidth). Runs on CPU too with
+Decode tokens/s at several batch sizes with 1k-token contexts (steps in which the whole
+batch decodes), heron with async scheduling (the default on CUDA) and without, prefill
+tokens/s on a 4k prompt, the HBM roofline of decode (weight + KV bytes per step / copy
+bandwidth), and a profile of decode steps at one batch size. ``--from-bench`` runs the
+attention kernels a bench/gpu_bench.py run found fastest. Runs on CPU too with
 ``--shape tiny`` (a smoke test of the code paths).
 """
 
