@@ -111,10 +111,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 async def retrieve_response(request: web.Request) -> web.Response:
     """GET /v1/responses/{response_id}: a stored response of this tenant's, or a 404."""
-    stored = request.app[RESPONSE_STORE].get(tenant_of(request),
-                                             request.match_info["response_id"])
-    if stored is None:
-        raise _not_found(request.match_info["response_id"])
+    stored = _stored(request)
     return web.Response(body=msgspec.json.encode(stored.response),
                         content_type="application/json")
 
@@ -128,10 +125,7 @@ async def list_input_items(request: web.Request) -> web.Response:
         query = msgspec.convert(fields, InputItemsQuery, strict=False)
     except msgspec.ValidationError as e:
         raise from_decode_error(e) from None
-    response_id = request.match_info["response_id"]
-    stored = request.app[RESPONSE_STORE].get(tenant_of(request), response_id)
-    if stored is None:
-        raise _not_found(response_id)
+    stored = _stored(request)
     items = [_listed(item) for item in
              stored.conversation[:len(stored.conversation) - len(stored.response.output)]]
     if query.order == "desc":
@@ -139,7 +133,7 @@ async def list_input_items(request: web.Request) -> web.Response:
     if query.after is not None:
         start = next((i + 1 for i, item in enumerate(items) if item["id"] == query.after), None)
         if start is None:
-            raise bad_request(f"no input item of response {response_id!r} has the id "
+            raise bad_request(f"no input item of response {stored.response.id!r} has the id "
                               f"{query.after!r}", param="after")
         items = items[start:]
     page = items[:query.limit]
@@ -177,16 +171,13 @@ def _named(item: Item) -> Item:
 async def cancel_response(request: web.Request) -> web.Response:
     """POST /v1/responses/{response_id}/cancel: stop a background response of this tenant's;
     one that already ended comes back as it ended."""
-    tenant, response_id = tenant_of(request), request.match_info["response_id"]
-    store = request.app[RESPONSE_STORE]
-    stored = store.get(tenant, response_id)
-    if stored is None:
-        raise _not_found(response_id)
+    stored = _stored(request)
+    tenant, response_id = tenant_of(request), stored.response.id
     if not stored.response.background:
         raise bad_request(f"the response {response_id!r} was not made in the background: only "
                           "a background response (`background: true`) can be cancelled")
     await request.app[BACKGROUND].cancel((tenant, response_id))
-    stored = store.get(tenant, response_id) or stored
+    stored = request.app[RESPONSE_STORE].get(tenant, response_id) or stored
     return web.Response(body=msgspec.json.encode(stored.response),
                         content_type="application/json")
 
@@ -201,6 +192,15 @@ async def delete_response(request: web.Request) -> web.Response:
         raise _not_found(response_id)
     return web.Response(body=msgspec.json.encode(ResponseDeleted(id=response_id)),
                         content_type="application/json")
+
+
+def _stored(request: web.Request) -> StoredResponse:
+    """The stored response of this tenant's that the path names, or a 404."""
+    response_id = request.match_info["response_id"]
+    stored = request.app[RESPONSE_STORE].get(tenant_of(request), response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    return stored
 
 
 def _not_found(response_id: str) -> APIError:
@@ -384,6 +384,7 @@ class _Answer:
         """A background response from "queued" to its end, each state kept as it is
         reached (`heron.server.response_background`)."""
         self._keep(self.response("queued"))
+        c = self.gen.choices[(0, 0)]
         started = False
         try:
             async for _ in self.gen.deltas():
@@ -391,9 +392,8 @@ class _Answer:
                     started = True
                     self._keep(self.response("in_progress"))
         except APIError as e:  # past server.request_timeout_s
-            self._keep(self.response("failed", self._usage(self.gen.choices[(0, 0)]), error=e))
+            self._keep(self.response("failed", self._usage(c), error=e))
             return
-        c = self.gen.choices[(0, 0)]
         if self.gen.cancelled and c.finish_reason in (None, "abort"):  # not ended by itself
             self._keep(self.response("cancelled", self._usage(c)))
         elif (error := self.gen.failure()) is not None:
