@@ -11,6 +11,7 @@ attention kernels a bench/gpu_bench.py run found fastest. Runs on CPU too with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -69,6 +70,16 @@ def heron_engine(model_dir: Path, device, dtype, max_seqs, kv_gb, cuda_graphs=Tr
         "engine.max_num_batched_tokens": MAX_BATCHED_TOKENS, "engine.kv_cache_memory_gb": kv_gb,
         "engine.cuda_graphs": cuda_graphs})
     return Engine(cfg, plugins)
+
+
+@contextlib.contextmanager
+def sync_steps(engine):
+    """The same engine with each step's tokens read before the next step launches."""
+    engine.async_scheduling, on = False, engine.async_scheduling
+    try:
+        yield
+    finally:
+        engine.async_scheduling = on
 
 
 def start_batch(engine, name: str, batch: int, context: int, vocab: int, steps: int) -> list[str]:
@@ -268,10 +279,8 @@ def main() -> None:
         for b in batches:
             r = heron_decode(engine, b, args.context, args.steps, config["vocab_size"])
             r["async_scheduling"] = engine.async_scheduling
-            # the same engine with each step's tokens read before the next step launches
-            engine.async_scheduling, on = False, engine.async_scheduling
-            r["sync"] = heron_decode(engine, b, args.context, args.steps, config["vocab_size"])
-            engine.async_scheduling = on
+            with sync_steps(engine):
+                r["sync"] = heron_decode(engine, b, args.context, args.steps, config["vocab_size"])
             r["roofline_tokens_per_s"] = roofline(config, b, args.context + args.steps // 2,
                                                   bandwidth, dtype)
             results["heron"]["decode"].append(r)
@@ -279,10 +288,9 @@ def main() -> None:
         if args.profile_batch:
             profiles = [profile_decode(engine, args.profile_batch, args.context, 8,
                                        config["vocab_size"])]
-            engine.async_scheduling, on = False, engine.async_scheduling
-            profiles.append(profile_decode(engine, args.profile_batch, args.context, 8,
-                                           config["vocab_size"], tables=False))
-            engine.async_scheduling = on
+            with sync_steps(engine):
+                profiles.append(profile_decode(engine, args.profile_batch, args.context, 8,
+                                               config["vocab_size"], tables=False))
             results["heron"]["profile"] = profiles
             print("heron decode profile", profiles, flush=True)
         results["heron"]["prefill"] = heron_prefill(engine, args.prefill, config["vocab_size"])
