@@ -38,13 +38,15 @@ def emulated(backend):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm(emulated, dtype, with_residual):
-    cases.check_rms_norm("cpu", dtype, 3, 200, with_residual)
+@pytest.mark.parametrize("hidden", [200, 4104, 2055])  # 16-byte items (fp32 4104: 2 a thread); elements
+def test_rms_norm(emulated, dtype, with_residual, hidden):
+    cases.check_rms_norm("cpu", dtype, 3, hidden, with_residual)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul(emulated, dtype):
-    cases.check_silu_and_mul("cpu", dtype, 3, 300)
+@pytest.mark.parametrize("inter", [296, 300, 37])  # 16-byte items for all dtypes / fp32; elements
+def test_silu_and_mul(emulated, dtype, inter):
+    cases.check_silu_and_mul("cpu", dtype, 3, inter)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

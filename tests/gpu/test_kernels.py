@@ -30,14 +30,14 @@ def _lens(n: int, hi: int, seed: int) -> list[int]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,hidden", [(1, 4096), (37, 576), (300, 5120)])
+@pytest.mark.parametrize("rows,hidden", [(1, 4096), (37, 576), (300, 5120), (5, 9000), (3, 1001)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm(dtype, rows, hidden, with_residual):
     cases.check_rms_norm(DEV, dtype, rows, hidden, with_residual)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,inter", [(1, 14336), (77, 1536)])
+@pytest.mark.parametrize("rows,inter", [(1, 14336), (77, 1536), (5, 1001)])
 def test_silu_and_mul(dtype, rows, inter):
     cases.check_silu_and_mul(DEV, dtype, rows, inter)
 

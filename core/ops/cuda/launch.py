@@ -42,6 +42,16 @@ def vec_elems(dtype: torch.dtype) -> int:
     return 16 // torch.empty((), dtype=dtype).element_size()
 
 
+def vec_rows(width: int, *tensors: torch.Tensor | None) -> bool:
+    """Whether 16-byte vectors tile every row of ``tensors`` (``[rows, width]`` with
+    contiguous rows, or ``[width]``; None is skipped): ``width`` a multiple of VEC, every base
+    and row stride 16-byte aligned."""
+    present = [t for t in tensors if t is not None]
+    vec = vec_elems(present[0].dtype)
+    return width % vec == 0 and all(
+        t.data_ptr() % 16 == 0 and (t.dim() == 1 or t.stride(0) % vec == 0) for t in present)
+
+
 def i32(x: int) -> np.int32:
     return np.int32(x)
 

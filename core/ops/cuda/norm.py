@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from heron.core.ops.cuda.launch import dtype_code, f32, i32, i64, launch
+from heron.core.ops.cuda.launch import dtype_code, f32, i32, i64, launch, vec_elems, vec_rows
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -28,9 +28,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     r2 = _rows(residual.to(x.dtype)) if residual is not None else None
     res_out = torch.empty_like(out) if residual is not None else None
     if num_rows:
-        threads = min(1024, 32 * max(1, -(-hidden // 128)))  # ~4 elements per thread
-        launch("norm.cu", "rms_norm_kernel", {"HERON_DTYPE": dtype_code(x.dtype)},
-               (num_rows, 1, 1), (threads, 1, 1),
+        # One 16-byte vector (or, unaligned, one element) per item, at most 1024 threads.
+        width = vec_elems(x.dtype) if vec_rows(hidden, out, res_out, x2, r2, w) else 1
+        threads = min(1024, 32 * -(-hidden // (32 * width)))
+        items = -(-hidden // (threads * width))
+        defines = {"HERON_DTYPE": dtype_code(x.dtype), "HERON_NORM_VEC": int(width > 1),
+                   "HERON_NORM_ITEMS": items}
+        launch("norm.cu", "rms_norm_kernel", defines, (num_rows, 1, 1), (threads, 1, 1),
                (out, res_out, x2, i64(x2.stride(0)), r2,
                 i64(r2.stride(0) if r2 is not None else 0), w, i32(hidden), f32(eps)),
                device=x.device)

@@ -22,8 +22,12 @@ def _attention(**extra) -> list[dict]:
             for dt, d, g, bs in _ATTENTION_SHAPES]
 
 
-register_kernel_file(KERNEL_DIR / "norm.cu", ["rms_norm_kernel"], ALL_DTYPES)
-register_kernel_file(KERNEL_DIR / "activation.cu", ["silu_and_mul_kernel"], ALL_DTYPES)
+# RMSNorm: 16-byte items (one or two a thread) and the element-wise fallback.
+register_kernel_file(KERNEL_DIR / "norm.cu", ["rms_norm_kernel"],
+                     [{**d, "HERON_NORM_VEC": vec, "HERON_NORM_ITEMS": items}
+                      for d in ALL_DTYPES for vec, items in ((1, 1), (1, 2), (0, 4))])
+register_kernel_file(KERNEL_DIR / "activation.cu", ["silu_and_mul_kernel"],
+                     [{**d, "HERON_ACT_VEC": vec} for d in ALL_DTYPES for vec in (1, 0)])
 register_kernel_file(KERNEL_DIR / "rotary.cu", ["rotary_kernel"], ALL_DTYPES)
 register_kernel_file(KERNEL_DIR / "cache.cu", ["write_kv_kernel"], ALL_DTYPES)
 register_kernel_file(KERNEL_DIR / "lora.cu", ["lora_shrink_kernel", "lora_expand_kernel"],

@@ -98,6 +98,34 @@ __device__ __forceinline__ void load_vec(const scalar_t* p, float (&out)[VEC]) {
   unpack16(load_raw16(p), out);
 }
 
+// The VEC floats rounded to scalar_t and stored as one 16-byte write.
+__device__ __forceinline__ void store_vec(scalar_t* p, const float (&in)[VEC]) {
+  unsigned int w[4];
+#if HERON_DTYPE == 0
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = __float_as_uint(in[i]);
+#else
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    w[i] = (unsigned int)from_float<scalar_t>(in[2 * i]).bits
+           | ((unsigned int)from_float<scalar_t>(in[2 * i + 1]).bits << 16);
+#endif
+  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// An item of W elements: one 16-byte vector (W == VEC) or one element (W == 1).
+template <int W> __device__ __forceinline__ void load_item(const scalar_t* p, float (&out)[W]) {
+  static_assert(W == 1 || W == VEC, "an item is one element or one 16-byte vector");
+  if constexpr (W == 1) out[0] = to_float(*p);
+  else load_vec(p, out);
+}
+
+template <int W> __device__ __forceinline__ void store_item(scalar_t* p, const float (&in)[W]) {
+  static_assert(W == 1 || W == VEC, "an item is one element or one 16-byte vector");
+  if constexpr (W == 1) *p = from_float<scalar_t>(in[0]);
+  else store_vec(p, in);
+}
+
 // Dynamic shared memory (the emulator has no `extern __shared__`).
 #ifndef HERON_EMULATE
 #define HERON_DYNAMIC_SMEM(type, name) extern __shared__ type name[]
