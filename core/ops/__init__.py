@@ -7,7 +7,8 @@ by `i32` / `i64` / `f32` and the element type chosen by ``HERON_DTYPE=dtype_code
 """
 
 from heron.core.ops.activation import silu_and_mul, silu_and_mul_ref
-from heron.core.ops.attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
+from heron.core.ops.attention import (paged_attention, paged_attention_ref, rotary_write_kv,
+                                      rotary_write_kv_ref, write_kv, write_kv_ref)
 from heron.core.ops.cuda.launch import dtype_code, f32, i32, i64, packed_rows
 from heron.core.ops.cuda.launch import launch as launch_kernel
 from heron.core.ops.linear import linear, pack_weight
@@ -17,6 +18,6 @@ from heron.core.ops.rotary import rope_cos_sin_cache, rope_inv_freq, rotary, rot
 __all__ = [
     "dtype_code", "f32", "i32", "i64", "launch_kernel", "linear", "pack_weight", "packed_rows",
     "paged_attention", "paged_attention_ref", "rms_norm", "rms_norm_ref", "rope_cos_sin_cache",
-    "rope_inv_freq", "rotary", "rotary_ref", "silu_and_mul", "silu_and_mul_ref", "write_kv",
-    "write_kv_ref",
+    "rope_inv_freq", "rotary", "rotary_ref", "rotary_write_kv", "rotary_write_kv_ref",
+    "silu_and_mul", "silu_and_mul_ref", "write_kv", "write_kv_ref",
 ]

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from heron.core.batch import AttentionMetadata
+from heron.core.ops.rotary import rotary_ref
 
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -23,6 +24,17 @@ def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     num_kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def rotary_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> torch.Tensor:
+    """`rotary_ref` of ``q`` and ``k``, then `write_kv_ref` of the rotated ``k`` and ``v``;
+    returns the rotated ``q``. (The CUDA op does both in one launch.)"""
+    q, k = rotary_ref(q, k, positions, cos_sin_cache)
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
@@ -104,6 +116,14 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
         from heron.core.ops import cuda
         return cuda.write_kv(k, v, k_cache, v_cache, slot_mapping)
     return write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rotary_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+    if q.is_cuda:
+        from heron.core.ops import cuda
+        return cuda.rotary_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
+                                    slot_mapping)
+    return rotary_write_kv_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(q, k_cache, v_cache, meta, scale):

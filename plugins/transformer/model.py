@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from heron.core.batch import Batch
 from heron.core.cache_spec import CacheTensors
 from heron.core.ops import (
-    linear, pack_weight, paged_attention, rms_norm, rope_cos_sin_cache, rotary, silu_and_mul,
-    write_kv)
+    linear, pack_weight, paged_attention, rms_norm, rope_cos_sin_cache, rotary, rotary_write_kv,
+    silu_and_mul, write_kv)
 from heron.core.ops.lora import LayerLora, layer_loras
 from heron.plugins.transformer.config import TransformerConfig
 
@@ -105,14 +105,18 @@ def qkv_heads(h: torch.Tensor, w: AttentionWeights, shape: AttentionShape,
 def attention(h: torch.Tensor, w: AttentionWeights, shape: AttentionShape, batch: Batch,
               kv: tuple[torch.Tensor, torch.Tensor],
               cos_sin: torch.Tensor | None, lora: LayerLora | None = None) -> torch.Tensor:
-    """Self-attention of ``h [T, hidden]`` over paged KV: `qkv_heads` → write this step's
-    K/V into ``kv = (k_cache, v_cache)`` → paged attention → o. ``cos_sin`` None: no
-    position embedding (NoPE layers). ``lora``: adapter deltas for the projections.
-    Returns ``[T, hidden]``."""
+    """Self-attention of ``h [T, hidden]`` over paged KV: `qkv_heads` → rotary with the write
+    of this step's K/V into ``kv = (k_cache, v_cache)`` (one op) → paged attention → o.
+    ``cos_sin`` None: no position embedding (NoPE layers). ``lora``: adapter deltas for the
+    projections. Returns ``[T, hidden]``."""
     num_tokens = h.shape[0]
-    q, k, v = qkv_heads(h, w, shape, batch.positions, cos_sin, lora)
+    q, k, v = qkv_heads(h, w, shape, batch.positions, None, lora)  # rotary goes with the write
     k_cache, v_cache = kv
-    write_kv(k, v, k_cache, v_cache, batch.attn.slot_mapping)
+    if cos_sin is None:
+        write_kv(k, v, k_cache, v_cache, batch.attn.slot_mapping)
+    else:
+        q = rotary_write_kv(q, k, v, batch.positions, cos_sin, k_cache, v_cache,
+                            batch.attn.slot_mapping)
     o = paged_attention(q, k_cache, v_cache, batch.attn, shape.scale)
     o = o.reshape(num_tokens, shape.q_size)
     out = linear(o, w.o, w.o_bias)

@@ -21,7 +21,7 @@ import torch
 from heron.core.batch import AttentionMetadata
 from heron.core.ops import cuda as cuda_ops
 from heron.core.ops import (paged_attention_ref, rms_norm_ref, rope_cos_sin_cache, rotary_ref,
-                            silu_and_mul_ref, write_kv_ref)
+                            rotary_write_kv_ref, silu_and_mul_ref, write_kv_ref)
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -134,6 +134,41 @@ def check_write_kv(device, dtype, num_tokens, num_kv_heads, head_dim, block_size
                  slots[keep].to(device))
     cuda_ops.write_kv(k, v, pool[1, 0], pool[1, 1], slots.to(device))
     assert torch.equal(pool, expected), "write_kv: cache differs from write_kv_ref"
+
+
+def check_rotary_write_kv(device, dtype, num_tokens, num_q_heads, num_kv_heads, head_dim,
+                          rot_dim, block_size, seed=0):
+    """q, k, v are strided views of one fused projection; they go to layer 1 of a
+    [L, 2, ...] pool; -1 slots (padded rows) write nothing but still rotate q."""
+    g = _gen(seed)
+    cache = rope_cos_sin_cache(rot_dim, 8192, 10000.0).to(device)
+    positions = torch.randint(0, 8192, (num_tokens,), generator=g).to(device)
+    qkv = _randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, g=g, dtype=dtype,
+                 device=device)
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split(
+        [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1))
+    num_blocks = num_tokens // block_size + 4
+    pool = _randn(2, 2, num_blocks, block_size, num_kv_heads, head_dim, g=g, dtype=dtype,
+                  device=device)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[::5] = -1
+    expected = pool.cpu().clone()
+    q_ref = rotary_write_kv_ref(q.cpu().float(), k.cpu().float(), v.cpu(), positions.cpu(),
+                                cache.cpu(), expected[1, 0], expected[1, 1], slots)
+    with poisoned_outputs():
+        q_rot = cuda_ops.rotary_write_kv(q, k, v, positions, cache, pool[1, 0], pool[1, 1],
+                                         slots.to(device))
+    assert_close(q_rot, q_ref, dtype, "rotary_write_kv q")
+    got, written = pool.cpu().clone(), slots[slots >= 0]
+
+    def rows(p: torch.Tensor) -> torch.Tensor:  # layer 1's k and v as [2, slots, Hkv, D] views
+        return p[1].view(2, -1, num_kv_heads, head_dim)
+
+    assert_close(rows(got)[0, written], rows(expected)[0, written], dtype, "rotary_write_kv k")
+    assert torch.equal(rows(got)[1, written], rows(expected)[1, written]), "rotary_write_kv: v differs"
+    rows(got)[:, written] = 0
+    rows(expected)[:, written] = 0
+    assert torch.equal(got, expected), "rotary_write_kv wrote past its slots"
 
 
 # ---------------------------------------------------------------------------- attention

@@ -56,6 +56,12 @@ def test_rotary(emulated, dtype, rot_dim, fused):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rot_dim", [64, 32])
+def test_rotary_write_kv(emulated, dtype, rot_dim):
+    cases.check_rotary_write_kv("cpu", dtype, 11, 4, 2, 64, rot_dim, 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv(emulated, dtype):
     cases.check_write_kv("cpu", dtype, 20, 2, 64, 16)
 

@@ -50,6 +50,13 @@ def test_rotary(dtype, tokens, hq, hkv, d, rot, fused):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,hq,hkv,d,rot,bs", [
+    (1, 32, 8, 128, 128, 16), (300, 32, 8, 128, 64, 16), (17, 9, 3, 64, 64, 32)])
+def test_rotary_write_kv(dtype, tokens, hq, hkv, d, rot, bs):
+    cases.check_rotary_write_kv(DEV, dtype, tokens, hq, hkv, d, rot, bs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,hkv,d,bs", [(100, 8, 128, 16), (37, 2, 64, 32)])
 def test_write_kv(dtype, tokens, hkv, d, bs):
     cases.check_write_kv(DEV, dtype, tokens, hkv, d, bs)

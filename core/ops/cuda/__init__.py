@@ -10,6 +10,7 @@ from heron.core.ops.cuda.attention import paged_attention
 from heron.core.ops.cuda.cache import write_kv
 from heron.core.ops.cuda.lora import add_lora_rows
 from heron.core.ops.cuda.norm import rms_norm
-from heron.core.ops.cuda.rotary import rotary
+from heron.core.ops.cuda.rotary import rotary, rotary_write_kv
 
-__all__ = ["add_lora_rows", "paged_attention", "rms_norm", "rotary", "silu_and_mul", "write_kv"]
+__all__ = ["add_lora_rows", "paged_attention", "rms_norm", "rotary", "rotary_write_kv",
+           "silu_and_mul", "write_kv"]
