@@ -28,6 +28,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -139,8 +140,9 @@ GEMMS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down
          "lm_head": (4096, 128256)}
 GEMM_ROWS = (1, 16, 64, 256)
 #: Ways to compute x @ W.T: heron's F.linear on W [out, in] (cuBLAS "TN"), a matmul with the
-#: weight stored transposed ([in, out]: "NN"), and F.linear under each BLAS library torch has.
-GEMM_VARIANTS = ("linear", "transposed", "linear-cublas", "linear-cublaslt")
+#: weight stored transposed ([in, out]: "NN"), F.linear under each BLAS library torch has,
+#: and F.linear under torch's TunableOp (each shape's algorithm picked by timing them all).
+GEMM_VARIANTS = ("linear", "transposed", "linear-cublas", "linear-cublaslt", "linear-tunable")
 
 
 def section_gemm(args, bandwidth_gbps: float) -> dict:
@@ -148,8 +150,12 @@ def section_gemm(args, bandwidth_gbps: float) -> dict:
     of GEMM_VARIANTS: GPU µs (graph replay, weights rotated past L2), x the bytes' roofline
     (weight + activations over the copy bandwidth). Then, per row count, a decode step's
     GEMM ms (32 layers + lm_head) for each variant, against the weights' roofline."""
+    from torch.cuda import tunable
+
     backends = torch.backends.cuda
     default_lib = backends.preferred_blas_library()
+    tunable.set_filename(os.path.join(tempfile.gettempdir(), "heron-tunableop.csv"))
+    tunable.set_max_tuning_duration(200)  # ms per shape
     out: dict = {"default_blas": str(default_lib), "shapes": {}, "per_step_ms": {}}
     try:
         for name, (k, n) in GEMMS.items():
@@ -169,8 +175,14 @@ def section_gemm(args, bandwidth_gbps: float) -> dict:
                     else:
                         fns = [lambda w=w: F.linear(x, w) for w in ws]
                     lib = variant.partition("-")[2]
+                    tuned = lib == "tunable"
                     try:
-                        backends.preferred_blas_library(lib or default_lib)
+                        backends.preferred_blas_library(default_lib if tuned else lib or default_lib)
+                        if tuned:  # tune eagerly (first call of the shape), replay the choice
+                            tunable.enable(True)
+                            tunable.tuning_enable(True)
+                            fns[0]()
+                            tunable.tuning_enable(False)
                         err = _rel_err(fns[0](), ref)
                         us = time_graph_rotating(fns) * 1e3
                         row[variant] = {"us": us, "x_roofline": us / roof_us, "rel_err": err}
@@ -178,6 +190,7 @@ def section_gemm(args, bandwidth_gbps: float) -> dict:
                         row[variant] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
                     finally:
                         backends.preferred_blas_library(default_lib)
+                        tunable.enable(False)
             del ws, wts
             torch.cuda.empty_cache()
     finally:
@@ -229,16 +242,24 @@ def section_ops(args) -> dict:
         pos = torch.randint(0, 8192, (t,), generator=gen(), device="cuda")
         cache = torch.zeros(2, t // 16 + 2, 16, hkv, d, device="cuda", dtype=torch.bfloat16)
         slots = torch.randperm(cache.shape[1] * 16, generator=gen(), device="cuda")[:t]
-        pairs = {
+        row, qk, kv = t * h * 2, t * (hq + hkv) * d * 2, t * hkv * d * 2  # bytes
+        pairs = {  # name: (heron, torch, bytes read and written)
             "rms_norm+residual": (lambda: cuda_ops.rms_norm(x, w, 1e-5, x),
-                                  lambda: ops.rms_norm_ref(x, w, 1e-5, x)),
-            "silu_and_mul": (lambda: cuda_ops.silu_and_mul(gu), lambda: ops.silu_and_mul_ref(gu)),
-            "rotary": (lambda: cuda_ops.rotary(q, k, pos, cs), lambda: ops.rotary_ref(q, k, pos, cs)),
+                                  lambda: ops.rms_norm_ref(x, w, 1e-5, x), 4 * row),
+            "silu_and_mul": (lambda: cuda_ops.silu_and_mul(gu), lambda: ops.silu_and_mul_ref(gu),
+                             3 * t * inter * 2),
+            "rotary": (lambda: cuda_ops.rotary(q, k, pos, cs), lambda: ops.rotary_ref(q, k, pos, cs),
+                       2 * qk),
             "write_kv": (lambda: cuda_ops.write_kv(k, v, cache[0], cache[1], slots),
-                         lambda: ops.write_kv_ref(k, v, cache[0], cache[1], slots)),
+                         lambda: ops.write_kv_ref(k, v, cache[0], cache[1], slots), 4 * kv),
+            "rotary_write_kv": (
+                lambda: cuda_ops.rotary_write_kv(q, k, v, pos, cs, cache[0], cache[1], slots),
+                lambda: ops.rotary_write_kv_ref(q, k, v, pos, cs, cache[0], cache[1], slots),
+                2 * qk + 2 * kv),
         }
-        for name, (heron_fn, ref_fn) in pairs.items():
-            results[f"{name} T={t}"] = {"heron": time_kernel(heron_fn), "torch": time_kernel(ref_fn)}
+        for name, (heron_fn, ref_fn, nbytes) in pairs.items():
+            results[f"{name} T={t}"] = {"heron": time_kernel(heron_fn), "torch": time_kernel(ref_fn),
+                                        "bytes": nbytes}
     return results
 
 
@@ -848,11 +869,16 @@ def markdown(results: dict) -> str:
         lines.append(f"- bf16 matmul 8192^3: {results['matmul']['tflops']:.0f} TFLOP/s")
     lines.append("")
     if isinstance(results.get("ops"), dict) and "error" not in results["ops"]:
-        lines += ["| op | heron µs (gpu / eager) | torch µs (gpu / eager) |", "|---|---|---|"]
+        gbps = results.get("bandwidth", {}).get("copy_gbps", float("nan"))
+        lines += ["Ops (repeated in a graph: small T stays in L2; the roofline is the bytes at "
+                  "the copy bandwidth)", "",
+                  "| op | heron µs (gpu / eager) | torch µs (gpu / eager) | roofline µs |",
+                  "|---|---|---|---|"]
         for name, r in results["ops"].items():
             h, t = r["heron"], r["torch"]
             lines.append(f"| {name} | {h['gpu_ms']*1e3:.1f} / {h['eager_ms']*1e3:.1f} | "
-                         f"{t['gpu_ms']*1e3:.1f} / {t['eager_ms']*1e3:.1f} |")
+                         f"{t['gpu_ms']*1e3:.1f} / {t['eager_ms']*1e3:.1f} | "
+                         f"{r.get('bytes', float('nan')) / gbps / 1e3:.1f} |")
         lines.append("")
     if isinstance(results.get("gemm"), dict) and "error" not in results["gemm"]:
         lines += _gemm_markdown(results["gemm"])
