@@ -235,6 +235,40 @@ def test_prefill_attention_mma_heavy(emulated, prefill_kernel, tile):
                                 num_kv_heads=1, head_dim=128, block_size=32, seed=3)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])  # qwen3: per-head q/k norms too
+def test_transformer_engine_through_the_kernels(emulated, kind, tmp_path, monkeypatch):
+    """The transformer family with every op on its kernel (RMSNorms, SiLU-and-mul, rotary
+    with the KV write, paged prefill over a cached prefix and decode): the logits of a whole
+    engine run, chunked prefills and mixed batches included, equal those of the torch ops."""
+    from heron.core.ops import cuda as cuda_ops
+    from heron.core.sampling_params import SamplingParams
+    from heron.plugins.transformer import model
+    from tests.engine_utils import LogitsRecorder, make_engine
+    from tests.tiny_models import build_tiny
+
+    build_tiny(kind, tmp_path, head_dim=32)  # the float32 prefill kernel takes head_dim % 32
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 21, 12)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+
+    def run():
+        engine = make_engine(tmp_path, **{"engine.max_num_batched_tokens": 16})
+        recorder = LogitsRecorder(engine)
+        outs = engine.generate(prompts, params)
+        return [o.outputs[0].token_ids for o in outs], recorder.rows, outs
+
+    ref_tokens, ref_rows, _ = run()
+    for name in ("rms_norm", "silu_and_mul", "rotary_write_kv", "paged_attention"):
+        monkeypatch.setattr(model, name, getattr(cuda_ops, name))
+    tokens, rows, outs = run()
+    assert {"rms_norm_kernel", "silu_and_mul_kernel", "rotary_kernel", "paged_prefill_kernel",
+            "paged_decode_kernel"} <= {name for name, *_ in emulated.launches}
+    assert tokens == ref_tokens
+    worst = max((rows[(o.request_id, pos)] - ref_rows[(o.request_id, pos)]).abs().max().item()
+                for o, p in zip(outs, prompts) for pos in range(len(p) + 4))
+    assert worst <= 1e-4, f"kernel vs torch logits differ by {worst:.2e}"
+
+
 # ---------------------------------------------------------------------------- decode variants
 # Non-default decode plans (tests/gpu/decode_cases.py: tensor-core and CUDA-core kernels with
 # other warps, rows in flight, prefetch, partitions) and the default one, over padded graph
