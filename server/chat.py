@@ -26,7 +26,7 @@ from heron.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionC
                                     ChatCompletionResponse, ChatDelta, ChatLogprobs,
                                     ChatMessageOut, CompletionTokensDetails, FunctionDelta,
                                     ToolCallDelta, Usage,
-                                    api_finish_reason, encode)
+                                    api_finish_reason, json_response)
 from heron.server.sse import EventStream
 from heron.server.tools import CallHold, ToolPlan, new_call_id, plan_tools
 from heron.server.translation_jobs import refuse_translation_model
@@ -87,7 +87,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         body = ChatCompletionResponse(id=gen.id, created=gen.created, model=gen.model,
                                       choices=choices, usage=_usage(gen, reasoning, thinking),
                                       prompt_token_ids=prompt_ids if ids else UNSET)
-        return web.Response(body=encode(body), content_type="application/json")
+        return json_response(body)
 
 
 def _usage(gen: Generation, parser: ReasoningParser | None, thinking: bool | None) -> Usage:

@@ -24,7 +24,7 @@ from heron.server.logprob_format import (completion_logprobs, generated_offsets,
                                          prompt_offsets, token_id_text)
 from heron.server.protocol import CompletionRequest
 from heron.server.responses import (CompletionChoice, CompletionLogprobs, CompletionResponse,
-                                    api_finish_reason, encode)
+                                    api_finish_reason, json_response)
 from heron.server.sse import EventStream
 from heron.server.translation_jobs import (completion_jobs, is_translation_model,
                                       refuse_translation_fields)
@@ -67,7 +67,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                                                                 key=lambda c: c.index)]
         body = CompletionResponse(id=gen.id, created=gen.created, model=gen.model,
                                   choices=choices, usage=gen.usage())
-        return web.Response(body=encode(body), content_type="application/json")
+        return json_response(body)
 
 
 def _prompts(app: web.Application, req: CompletionRequest) -> tuple[list[str], list[list[int]]]:

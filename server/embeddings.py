@@ -24,7 +24,8 @@ from heron.server.appkeys import ASYNC_ENGINE, CONFIG, MODEL_NAME
 from heron.server.errors import bad_request, decode_body
 from heron.server.generation import Generation
 from heron.server.protocol import EmbeddingRequest
-from heron.server.responses import Embedding, EmbeddingResponse, EmbeddingUsage, encode
+from heron.server.responses import (Embedding, EmbeddingResponse, EmbeddingUsage,
+                                    json_response)
 
 
 def is_embedding_model(app: web.Application) -> bool:
@@ -61,7 +62,7 @@ async def create_embedding(request: web.Request) -> web.Response:
         tokens = gen.num_prompt_tokens
         body = EmbeddingResponse(id=gen.id, created=gen.created, model=gen.model, data=data,
                                  usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
-        return web.Response(body=encode(body), content_type="application/json")
+        return json_response(body)
 
 
 def _inputs(app: web.Application, req: EmbeddingRequest) -> list[list[int]]:

@@ -14,7 +14,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from heron.server.responses import ErrorInfo, ErrorResponse, encode
+from heron.server.responses import ErrorInfo, ErrorResponse, json_response
 
 log = structlog.get_logger("heron.server")
 
@@ -43,8 +43,7 @@ class APIError(Exception):
                                              param=self.param, code=self.code))
 
     def response(self) -> web.Response:
-        return web.Response(status=self.status, body=encode(self.body()),
-                            content_type="application/json", headers=self.headers)
+        return json_response(self.body(), status=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -7,11 +7,7 @@ from aiohttp import web
 from heron.server.appkeys import ASYNC_ENGINE, CREATED_AT, METRICS, MODEL_NAME
 from heron.server.errors import APIError
 from heron.server.openapi import openapi_document
-from heron.server.responses import HealthResponse, ModelCard, ModelList, encode
-
-
-def _json(body) -> web.Response:
-    return web.Response(body=encode(body), content_type="application/json")
+from heron.server.responses import HealthResponse, ModelCard, ModelList, json_response
 
 
 async def health(request: web.Request) -> web.Response:
@@ -21,7 +17,7 @@ async def health(request: web.Request) -> web.Response:
         raise APIError(503, "the server is shutting down", code="shutting_down")
     if not async_engine.is_running:
         raise APIError(503, "the engine is not running", code="engine_stopped")
-    return _json(HealthResponse())
+    return json_response(HealthResponse())
 
 
 def _model_cards(app: web.Application) -> list[ModelCard]:
@@ -39,7 +35,7 @@ def _model_cards(app: web.Application) -> list[ModelCard]:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return _json(ModelList(data=_model_cards(request.app)))
+    return json_response(ModelList(data=_model_cards(request.app)))
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
@@ -49,7 +45,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
     if card is None:
         raise APIError(404, f"the model `{model}` does not exist", param="model",
                        code="model_not_found")
-    return _json(card)
+    return json_response(card)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+from aiohttp import web
 from msgspec import UNSET, Struct, UnsetType
 
 
@@ -255,6 +256,13 @@ class ErrorResponse(_Out, kw_only=True):
 
 def encode(body: Struct) -> bytes:
     return msgspec.json.encode(body)
+
+
+def json_response(body: Struct, status: int = 200,
+                  headers: dict[str, str] | None = None) -> web.Response:
+    """``body`` as an ``application/json`` HTTP response."""
+    return web.Response(status=status, body=encode(body), content_type="application/json",
+                        headers=headers)
 
 
 def api_finish_reason(reason: str | None) -> str | None:

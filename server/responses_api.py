@@ -50,6 +50,7 @@ from heron.server.response_protocol import (INPUT_ITEMS, Event, FunctionCallItem
                                             ResponsesRequest, ResponseUsage, TextConfig,
                                             TextFormat)
 from heron.server.response_store import Item, ResponseStore, StoredResponse
+from heron.server.responses import json_response
 from heron.server.sse import EventStream
 from heron.server.tools import CallHold, ToolPlan, new_call_id, plan_tools
 from heron.server.translation_jobs import refuse_translation_model
@@ -96,7 +97,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if req.background:
         queued = answer.response("queued")
         await app[BACKGROUND].start((keep.tenant, gen.id), gen, answer.run_in_background)
-        return web.Response(body=msgspec.json.encode(queued), content_type="application/json")
+        return json_response(queued)
     async with gen:
         if req.stream:
             return await _stream(request, answer)
@@ -105,15 +106,13 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             raise error
         c = gen.choices[(0, 0)]
         answer.feed(c.text, c.finish_reason)
-        return web.Response(body=msgspec.json.encode(answer.final(c).response),
-                            content_type="application/json")
+        return json_response(answer.final(c).response)
 
 
 async def retrieve_response(request: web.Request) -> web.Response:
     """GET /v1/responses/{response_id}: a stored response of this tenant's, or a 404."""
     stored = _stored(request)
-    return web.Response(body=msgspec.json.encode(stored.response),
-                        content_type="application/json")
+    return json_response(stored.response)
 
 
 async def list_input_items(request: web.Request) -> web.Response:
@@ -140,7 +139,7 @@ async def list_input_items(request: web.Request) -> web.Response:
     listed = InputItemList(data=page, first_id=page[0]["id"] if page else None,
                            last_id=page[-1]["id"] if page else None,
                            has_more=len(items) > len(page))
-    return web.Response(body=msgspec.json.encode(listed), content_type="application/json")
+    return json_response(listed)
 
 
 def _listed(item: Item) -> Item:
@@ -178,8 +177,7 @@ async def cancel_response(request: web.Request) -> web.Response:
                           "a background response (`background: true`) can be cancelled")
     await request.app[BACKGROUND].cancel((tenant, response_id))
     stored = request.app[RESPONSE_STORE].get(tenant, response_id) or stored
-    return web.Response(body=msgspec.json.encode(stored.response),
-                        content_type="application/json")
+    return json_response(stored.response)
 
 
 async def delete_response(request: web.Request) -> web.Response:
@@ -190,8 +188,7 @@ async def delete_response(request: web.Request) -> web.Response:
     await request.app[BACKGROUND].cancel((tenant, response_id))
     if not request.app[RESPONSE_STORE].delete(tenant, response_id):
         raise _not_found(response_id)
-    return web.Response(body=msgspec.json.encode(ResponseDeleted(id=response_id)),
-                        content_type="application/json")
+    return json_response(ResponseDeleted(id=response_id))
 
 
 def _stored(request: web.Request) -> StoredResponse:

@@ -8,7 +8,7 @@ from heron.server.admission import chat_prompt, check_message_parts, check_model
 from heron.server.appkeys import ASYNC_ENGINE
 from heron.server.errors import bad_request, decode_body
 from heron.server.protocol import DetokenizeRequest, TokenizeRequest
-from heron.server.responses import DetokenizeResponse, TokenizeResponse, encode
+from heron.server.responses import DetokenizeResponse, TokenizeResponse, json_response
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -28,7 +28,7 @@ async def tokenize(request: web.Request) -> web.Response:
                              continue_final_message=req.continue_final_message)
     body = TokenizeResponse(count=len(tokens), tokens=tokens,
                             max_model_len=request.app[ASYNC_ENGINE].engine.max_model_len)
-    return web.Response(body=encode(body), content_type="application/json")
+    return json_response(body)
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -40,4 +40,4 @@ async def detokenize(request: web.Request) -> web.Response:
         raise bad_request(f"token id {bad} is outside the vocabulary (0..{vocab - 1})",
                           param="tokens")
     body = DetokenizeResponse(prompt=tokenizer.decode(req.tokens, skip_special_tokens=False))
-    return web.Response(body=encode(body), content_type="application/json")
+    return json_response(body)

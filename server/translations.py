@@ -18,7 +18,8 @@ from heron.server.errors import decode_body
 from heron.server.generation import Generation
 from heron.server.limits import check_n
 from heron.server.protocol import TranslationRequest
-from heron.server.responses import Translation, TranslationResponse, api_finish_reason, encode
+from heron.server.responses import (Translation, TranslationResponse, api_finish_reason,
+                                    json_response)
 from heron.server.translation_jobs import require_translation_model, translation_jobs
 
 
@@ -42,7 +43,7 @@ async def create_translation(request: web.Request) -> web.Response:
                         for c in sorted(gen.choices.values(), key=lambda c: c.index)]
         body = TranslationResponse(id=gen.id, created=gen.created, model=gen.model,
                                    translations=translations, usage=gen.usage())
-        return web.Response(body=encode(body), content_type="application/json")
+        return json_response(body)
 
 
 def _sampling_params(req: TranslationRequest) -> SamplingParams:
