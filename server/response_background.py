@@ -7,12 +7,17 @@ as it is reached, so a background response must be stored.
 The running ones are held here by (tenant, response id): a cancel aborts one's engine
 requests and waits for its task to keep the "cancelled" response; the server's shutdown
 ends those left (after the drain, which waits for them as for any request).
+
+A background response made with ``stream: true`` also logs its events (`EventLog`), kept
+with the response: the POST streams them, and ``GET /v1/responses/{id}?stream=true``
+streams them again from any point (``starting_after``), live until the response ends. The
+client leaving a stream stops only its stream.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,10 +25,46 @@ import structlog
 
 if TYPE_CHECKING:  # generation imports the app's keys, which hold this registry
     from heron.server.generation import Generation
+    from heron.server.response_protocol import Event
 
 log = structlog.get_logger("heron.server.responses")
 
 Key = tuple[str, str]  # (tenant, response id)
+
+
+class EventLog:
+    """The events of one background response, numbered as they are added, for any number
+    of readers, each from where it likes; `close` when the response has ended."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.closed = False
+        self._changed = asyncio.Event()
+
+    def add(self, event: Event) -> None:
+        event.sequence_number = len(self.events)
+        self.events.append(event)
+        self._wake()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()  # the next wait waits for what comes next
+
+    async def follow(self, after: int | None = None) -> AsyncIterator[Event]:
+        """The events numbered past ``after`` (None: all), then each as it comes, until
+        the log is closed."""
+        i = 0 if after is None else after + 1
+        while True:
+            while i < len(self.events):
+                yield self.events[i]
+                i += 1
+            if self.closed:
+                return
+            await self._changed.wait()
 
 
 @dataclass

@@ -262,6 +262,14 @@ class InputItemsQuery(_Body, kw_only=True):
     order: Literal["asc", "desc"] = "desc"
 
 
+class RetrieveQuery(_Body, kw_only=True):
+    """The query of GET /v1/responses/{id}: ``stream`` the events of a background response
+    made with ``stream: true`` again, those after the event numbered ``starting_after``."""
+
+    stream: bool = False
+    starting_after: Annotated[int, Meta(ge=0)] | None = None
+
+
 class InputItemList(_Out, kw_only=True):
     """The conversation a stored response answered: the items of the responses it continues
     (their inputs and outputs), then its own input; each with its id."""
@@ -287,6 +295,10 @@ class ResponseCreated(_ResponseEvent, tag="response.created"):
     pass
 
 
+class ResponseQueued(_ResponseEvent, tag="response.queued"):
+    pass
+
+
 class ResponseInProgress(_ResponseEvent, tag="response.in_progress"):
     pass
 
@@ -296,6 +308,10 @@ class ResponseCompleted(_ResponseEvent, tag="response.completed"):
 
 
 class ResponseIncomplete(_ResponseEvent, tag="response.incomplete"):
+    pass
+
+
+class ResponseFailed(_ResponseEvent, tag="response.failed"):
     pass
 
 

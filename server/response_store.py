@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from heron.server.response_protocol import Response
+
+if TYPE_CHECKING:
+    from heron.server.response_background import EventLog
 
 Item = dict[str, Any]  # an input item, as `heron.server.responses_api.conversation` reads it
 
@@ -25,6 +28,7 @@ Item = dict[str, Any]  # an input item, as `heron.server.responses_api.conversat
 class StoredResponse:
     response: Response
     conversation: tuple[Item, ...]  # instructions are not in it: they do not carry over
+    events: EventLog | None = None  # a background response made with `stream: true`
 
 
 class ResponseStore:

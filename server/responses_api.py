@@ -37,6 +37,7 @@ from heron.server.generation import Choice, Generation
 from heron.server.middleware import tenant_of
 from heron.server.protocol import ChatMessage, ContentPart, FunctionCall, ToolCallIn
 from heron.server.reasoning import ReasoningParser, ReasoningSplit, plan_thinking
+from heron.server.response_background import EventLog
 from heron.server.response_output import OutputBuilder
 from heron.server.response_protocol import (INPUT_ITEMS, Event, FunctionCallItem,
                                             FunctionChoice,
@@ -45,10 +46,10 @@ from heron.server.response_protocol import (INPUT_ITEMS, Event, FunctionCallItem
                                             OutputFunctionCall, OutputTokensDetails,
                                             ReasoningItem, Response,
                                             ResponseCompleted, ResponseCreated, ResponseDeleted,
-                                            ResponseError,
+                                            ResponseError, ResponseFailed,
                                             ResponseIncomplete, ResponseInProgress,
-                                            ResponsesRequest, ResponseUsage, TextConfig,
-                                            TextFormat)
+                                            ResponseQueued, ResponsesRequest, ResponseUsage,
+                                            RetrieveQuery, TextConfig, TextFormat)
 from heron.server.response_store import Item, ResponseStore, StoredResponse
 from heron.server.responses import json_response
 from heron.server.sse import EventStream
@@ -64,9 +65,6 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     refuse_embedding_model(app, "/v1/responses")
     store = app[RESPONSE_STORE]
     kept = req.store is not False and store.capacity > 0
-    if req.background and req.stream:
-        raise bad_request("`stream` with `background` is not served: poll GET "
-                          "/v1/responses/{id} for the response", param="stream")
     if req.background and not kept:
         raise bad_request("a background response must be stored, to be read back by id "
                           "(not `store: false`, and server.max_stored_responses > 0)",
@@ -97,6 +95,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if req.background:
         queued = answer.response("queued")
         await app[BACKGROUND].start((keep.tenant, gen.id), gen, answer.run_in_background)
+        if answer.log is not None:
+            return await _follow(request, answer.log)
         return json_response(queued)
     async with gen:
         if req.stream:
@@ -109,10 +109,24 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         return json_response(answer.final(c).response)
 
 
-async def retrieve_response(request: web.Request) -> web.Response:
-    """GET /v1/responses/{response_id}: a stored response of this tenant's, or a 404."""
+async def retrieve_response(request: web.Request) -> web.StreamResponse:
+    """GET /v1/responses/{response_id}: a stored response of this tenant's, or a 404; with
+    ``stream=true`` (`RetrieveQuery`), the events of a background one made with ``stream:
+    true`` again, from ``starting_after`` on, live until it ends."""
+    fields = {k: v for k, v in request.query.items()
+              if k not in ("include", "include[]", "include_obfuscation")}
+    try:
+        query = msgspec.convert(fields, RetrieveQuery, strict=False)
+    except msgspec.ValidationError as e:
+        raise from_decode_error(e) from None
     stored = _stored(request)
-    return json_response(stored.response)
+    if not query.stream:
+        return json_response(stored.response)
+    if stored.events is None:
+        raise bad_request(f"the response {stored.response.id!r} was not made with "
+                          "`background: true` and `stream: true`: only those can be streamed "
+                          "again", param="stream")
+    return await _follow(request, stored.events, query.starting_after)
 
 
 async def list_input_items(request: web.Request) -> web.Response:
@@ -256,6 +270,19 @@ async def _stream(request: web.Request, answer: _Answer) -> web.StreamResponse:
     return await events.run(produce)
 
 
+async def _follow(request: web.Request, log: EventLog,
+                  after: int | None = None) -> web.StreamResponse:
+    """Stream a background response's events past the one numbered ``after``, as they come,
+    until it ends; the client leaving ends only this stream."""
+    events = EventStream(request)
+
+    async def produce() -> None:
+        async for event in log.follow(after):
+            await events.send(event, event=type(event).__struct_config__.tag)
+
+    return await events.run(produce)
+
+
 def _format_grammar(fmt) -> StructuredOutput:
     if fmt.type == "json_object":
         return StructuredOutput(json={"type": "object"})
@@ -336,6 +363,7 @@ class _Answer:
         self.call_id = new_call_id()  # "named": the one call
         # named once: a background response is kept at each state under the same ids
         self.inputs = tuple(_named(item) for item in input_items(req))
+        self.log = EventLog() if req.background and req.stream else None
 
     def feed(self, text: str, finish_reason: str | None) -> list[Event]:
         """The events of the output's next ``text``; the last piece has its finish reason."""
@@ -379,25 +407,49 @@ class _Answer:
 
     async def run_in_background(self) -> None:
         """A background response from "queued" to its end, each state kept as it is
-        reached (`heron.server.response_background`)."""
-        self._keep(self.response("queued"))
+        reached, its events logged when it streams (`heron.server.response_background`).
+        A cancelled one's stream ends without a last event (GET shows it "cancelled")."""
+        try:
+            await self._run_in_background()
+        finally:
+            if self.log is not None:
+                self.log.close()
+
+    async def _run_in_background(self) -> None:
+        queued = self.response("queued")
+        self._keep(queued)
+        self._log(ResponseCreated(response=queued), ResponseQueued(response=queued))
         c = self.gen.choices[(0, 0)]
         started = False
         try:
-            async for _ in self.gen.deltas():
+            async for _, delta in self.gen.deltas():
                 if not started:
                     started = True
-                    self._keep(self.response("in_progress"))
+                    running = self.response("in_progress")
+                    self._keep(running)
+                    self._log(ResponseInProgress(response=running))
+                for sd in delta.seqs:
+                    if sd.finish_reason not in ("error", "abort"):
+                        self._log(*self.feed(sd.text, sd.finish_reason))
         except APIError as e:  # past server.request_timeout_s
-            self._keep(self.response("failed", self._usage(c), error=e))
+            self._fail(c, e)
             return
         if self.gen.cancelled and c.finish_reason in (None, "abort"):  # not ended by itself
             self._keep(self.response("cancelled", self._usage(c)))
         elif (error := self.gen.failure()) is not None:
-            self._keep(self.response("failed", self._usage(c), error=error))
+            self._fail(c, error)
         else:
-            self.feed(c.text, c.finish_reason)
-            self.final(c)
+            self._log(self.final(c))
+
+    def _fail(self, c: Choice, error: APIError) -> None:
+        failed = self.response("failed", self._usage(c), error=error)
+        self._keep(failed)
+        self._log(ResponseFailed(response=failed))
+
+    def _log(self, *events: Event) -> None:
+        if self.log is not None:
+            for event in events:
+                self.log.add(event)
 
     def _keep(self, response: Response) -> None:
         """Store ``response`` with its conversation (the earlier items, ``input``, the
@@ -405,7 +457,7 @@ class _Answer:
         if self.keep is not None:
             output = tuple(msgspec.to_builtins(item) for item in response.output)
             self.keep.store.put(self.keep.tenant, StoredResponse(
-                response, (*self.keep.earlier, *self.inputs, *output)))
+                response, (*self.keep.earlier, *self.inputs, *output), self.log))
 
     def _usage(self, c: Choice) -> ResponseUsage:
         usage = self.gen.usage()

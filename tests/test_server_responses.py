@@ -396,13 +396,66 @@ def test_background_responses_are_cancelled_and_deleted_while_running(plain):
         client.responses.cancel("resp_none")
 
 
-@pytest.mark.parametrize("extra,param", [({"stream": True}, "stream"),
-                                         ({"store": False}, "background")])
-def test_background_refuses_what_it_cannot_keep(plain, extra, param):
+def test_background_refuses_what_it_cannot_keep(plain):
     status, _, raw = plain.http("POST", "/v1/responses", {
-        "model": "tiny", "input": "hi", "background": True, **extra})
+        "model": "tiny", "input": "hi", "background": True, "store": False})
     error = json.loads(raw)["error"]
-    assert status == 400 and error["param"] == param, error
+    assert status == 400 and error["param"] == "background", error
+
+
+def test_a_streamed_background_response_is_streamed_again_from_any_event(plain, oracle):
+    """The POST streams queued → in_progress → the output → the end; GET ?stream=true
+    streams the same events again from any ``starting_after``, once it ended too."""
+    client = plain.client()
+    prompt = oracle.prompt(ASK)
+    text = oracle.tokenizer.decode(oracle.greedy(prompt, 0.0), skip_special_tokens=True)
+    events = list(respond(plain, background=True, stream=True))
+    assert [e.type for e in events[:3]] == ["response.created", "response.queued",
+                                            "response.in_progress"]
+    assert events[0].response.status == "queued" and events[0].response.background
+    types, texts, final = replay(events)
+    assert list(texts.values()) == [text] and final.output_text == text
+    assert final.model_dump() == client.responses.retrieve(final.id).model_dump()
+    dumped = [e.model_dump() for e in events]
+    again = client.responses.retrieve(final.id, stream=True)
+    assert [e.model_dump() for e in again] == dumped
+    for after in (0, 5, len(events) - 2, len(events) - 1):
+        tail = client.responses.retrieve(final.id, stream=True, starting_after=after)
+        assert [e.model_dump() for e in tail] == dumped[after + 1:]
+    _idle(plain)
+
+
+def test_a_streamed_background_response_runs_on_without_its_client(plain):
+    """A client leaving the stream leaves the response running; another follows it live
+    from where the first left and sees it to its end; a cancel ends every follower's
+    stream, and the response shows "cancelled"."""
+    client = plain.client()
+    first = respond(plain, background=True, stream=True, **LONG)
+    seen = [next(iter(first)) for _ in range(6)]
+    first.close()
+    response_id = seen[0].response.id
+    rest = client.responses.retrieve(response_id, stream=True, starting_after=5)
+    numbers = [next(iter(rest)).sequence_number for _ in range(20)]
+    assert numbers == list(range(6, 26))
+    assert client.responses.retrieve(response_id).status == "in_progress"
+    cancelled = client.responses.cancel(response_id)
+    assert cancelled.status == "cancelled" and 0 < cancelled.usage.output_tokens < 900
+    last = list(rest)  # the stream ends (no last event for a cancel)
+    assert all(e.type.endswith(".delta") for e in last)
+    assert list(client.responses.retrieve(response_id, stream=True, starting_after=25)) == \
+        [e for e in last]
+    done = client.responses.retrieve(response_id)
+    assert done.status == "cancelled" and done.output_text  # the output it had produced
+    _idle(plain)
+
+
+@pytest.mark.parametrize("query", ["stream=true", "stream=true&starting_after=-1",
+                                   "stream=maybe"])
+def test_only_streamed_background_responses_stream_again(plain, query):
+    kept = respond(plain, max_output_tokens=2)
+    status, _, raw = plain.http("GET", f"/v1/responses/{kept.id}?{query}")
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"] in ("stream", "starting_after"), error
 
 
 def test_a_background_response_past_the_deadline_fails(model_dir):
