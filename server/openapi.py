@@ -26,8 +26,9 @@ ROUTES = (
      res.ChatCompletionResponse, True),
     ("post", "/v1/responses", "Responses API (kept for `previous_response_id` unless "
      "`store: false`)", resp_api.ResponsesRequest, resp_api.Response, True),
-    ("get", "/v1/responses/{response_id}", "A stored response", None, resp_api.Response,
-     False),
+    ("get", "/v1/responses/{response_id}", "A stored response (query: `stream=true` and "
+     "`starting_after` stream a background one made with `stream: true` again)", None,
+     resp_api.Response, True),
     ("delete", "/v1/responses/{response_id}", "Drop a stored response", None,
      resp_api.ResponseDeleted, False),
     ("get", "/v1/responses/{response_id}/input_items", "The conversation a stored response "
