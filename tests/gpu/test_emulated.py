@@ -241,31 +241,38 @@ def test_transformer_engine_through_the_kernels(emulated, kind, tmp_path, monkey
     with the KV write, paged prefill over a cached prefix and decode): the logits of a whole
     engine run, chunked prefills and mixed batches included, equal those of the torch ops."""
     from heron.core.ops import cuda as cuda_ops
-    from heron.core.sampling_params import SamplingParams
     from heron.plugins.transformer import model
-    from tests.engine_utils import LogitsRecorder, make_engine
     from tests.tiny_models import build_tiny
 
     build_tiny(kind, tmp_path, head_dim=32)  # the float32 prefill kernel takes head_dim % 32
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 21, 12)]
-    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
-
-    def run():
-        engine = make_engine(tmp_path, **{"engine.max_num_batched_tokens": 16})
-        recorder = LogitsRecorder(engine)
-        outs = engine.generate(prompts, params)
-        return [o.outputs[0].token_ids for o in outs], recorder.rows, outs
-
-    ref_tokens, ref_rows, _ = run()
+    _, ref_tokens, ref_rows, _ = _greedy_run(tmp_path, prompts, 5)
     for name in ("rms_norm", "silu_and_mul", "rotary_write_kv", "paged_attention"):
         monkeypatch.setattr(model, name, getattr(cuda_ops, name))
-    tokens, rows, outs = run()
+    _, tokens, rows, outs = _greedy_run(tmp_path, prompts, 5)
     assert {"rms_norm_kernel", "silu_and_mul_kernel", "rotary_kernel", "paged_prefill_kernel",
             "paged_decode_kernel"} <= {name for name, *_ in emulated.launches}
     assert tokens == ref_tokens
+    _assert_same_logits(rows, ref_rows, outs, prompts, 5)
+
+
+def _greedy_run(path, prompts, max_tokens):
+    """An engine over ``path`` (prefills chunked at 16 tokens) generating greedily for
+    ``prompts``: the engine, the tokens, every logits row by (request, position), outputs."""
+    from heron.core.sampling_params import SamplingParams
+    from tests.engine_utils import LogitsRecorder, make_engine
+
+    engine = make_engine(path, **{"engine.max_num_batched_tokens": 16})
+    recorder = LogitsRecorder(engine)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                   ignore_eos=True, prompt_logprobs=0))
+    return engine, [o.outputs[0].token_ids for o in outs], recorder.rows, outs
+
+
+def _assert_same_logits(rows, ref_rows, outs, prompts, max_tokens) -> None:
     worst = max((rows[(o.request_id, pos)] - ref_rows[(o.request_id, pos)]).abs().max().item()
-                for o, p in zip(outs, prompts) for pos in range(len(p) + 4))
+                for o, p in zip(outs, prompts) for pos in range(len(p) + max_tokens - 1))
     assert worst <= 1e-4, f"kernel vs torch logits differ by {worst:.2e}"
 
 
@@ -372,36 +379,25 @@ def test_hybrid_engine_through_the_mamba_kernels(emulated, kind, tmp_path, monke
     """The mixer's plumbing (column views, slots, mixed prefill and decode rows, chunked
     prefills) with every Mamba2 op on its kernel: the logits of a whole engine run equal
     those of the torch ops."""
-    from heron.core.sampling_params import SamplingParams
     from heron.plugins.hybrid_ssm import cuda as mamba_cuda
     from heron.plugins.hybrid_ssm import mixer
-    from tests.engine_utils import LogitsRecorder, make_engine
     from tests.hybrid_models import build_hybrid
 
     build_hybrid(kind, tmp_path)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (5, 19, 30)]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
-
-    def run():
-        engine = make_engine(tmp_path, **{"engine.max_num_batched_tokens": 16})
-        recorder = LogitsRecorder(engine)
-        outs = engine.generate(prompts, params)
-        assert engine.states.slots.num_used == 0
-        return [o.outputs[0].token_ids for o in outs], recorder.rows, outs
-
-    ref_tokens, ref_rows, _ = run()
+    engine, ref_tokens, ref_rows, _ = _greedy_run(tmp_path, prompts, 6)
+    assert engine.states.slots.num_used == 0
     names = ("conv1d_prefill", "conv1d_decode", "ssd_prefill", "ssm_decode", "gated_rms_norm")
     for name in names:
         monkeypatch.setattr(mixer, name, getattr(mamba_cuda, name))
-    tokens, rows, outs = run()
+    engine, tokens, rows, outs = _greedy_run(tmp_path, prompts, 6)
+    assert engine.states.slots.num_used == 0
     launched = {name for name, *_ in emulated.launches}
     assert {"conv1d_prefill_kernel", "ssd_chunk_scan_kernel", "ssm_decode_kernel",
             "gated_rms_norm_kernel"} <= launched
     assert tokens == ref_tokens
-    worst = max((rows[(o.request_id, pos)] - ref_rows[(o.request_id, pos)]).abs().max().item()
-                for o, p in zip(outs, prompts) for pos in range(len(p) + 5))
-    assert worst <= 1e-4, f"kernel vs torch logits differ by {worst:.2e}"
+    _assert_same_logits(rows, ref_rows, outs, prompts, 6)
 
 
 # ---------------------------------------------------------------------------- LoRA
@@ -445,6 +441,4 @@ def test_lora_engine_through_the_kernels(emulated, tmp_path, monkeypatch):
     monkeypatch.setattr(lora_ops, "runs_per_row", lambda weights: True)
     rows, outs = run()
     assert {"lora_shrink_kernel", "lora_expand_kernel"} <= {n for n, *_ in emulated.launches}
-    worst = max((rows[(o.request_id, pos)] - ref_rows[(o.request_id, pos)]).abs().max().item()
-                for o, p in zip(outs, prompts) for pos in range(len(p) + 3))
-    assert worst <= 1e-4, f"kernel vs torch logits differ by {worst:.2e}"
+    _assert_same_logits(rows, ref_rows, outs, prompts, 4)
