@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 import structlog
 
 if TYPE_CHECKING:  # generation imports the app's keys, which hold this registry
@@ -33,17 +34,18 @@ Key = tuple[str, str]  # (tenant, response id)
 
 
 class EventLog:
-    """The events of one background response, numbered as they are added, for any number
-    of readers, each from where it likes; `close` when the response has ended."""
+    """The events of one background response, numbered and encoded once as they are added,
+    for any number of readers, each from where it likes; `close` when the response has
+    ended."""
 
     def __init__(self) -> None:
-        self.events: list[Event] = []
+        self.events: list[tuple[str, bytes]] = []  # (name, JSON)
         self.closed = False
         self._changed = asyncio.Event()
 
     def add(self, event: Event) -> None:
         event.sequence_number = len(self.events)
-        self.events.append(event)
+        self.events.append((event.__struct_config__.tag, msgspec.json.encode(event)))
         self._wake()
 
     def close(self) -> None:
@@ -54,9 +56,9 @@ class EventLog:
         self._changed.set()
         self._changed = asyncio.Event()  # the next wait waits for what comes next
 
-    async def follow(self, after: int | None = None) -> AsyncIterator[Event]:
-        """The events numbered past ``after`` (None: all), then each as it comes, until
-        the log is closed."""
+    async def follow(self, after: int | None = None) -> AsyncIterator[tuple[str, bytes]]:
+        """The events (name, JSON) numbered past ``after`` (None: all), then each as it
+        comes, until the log is closed."""
         i = 0 if after is None else after + 1
         while True:
             while i < len(self.events):

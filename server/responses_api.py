@@ -277,8 +277,8 @@ async def _follow(request: web.Request, log: EventLog,
     events = EventStream(request)
 
     async def produce() -> None:
-        async for event in log.follow(after):
-            await events.send(event, event=type(event).__struct_config__.tag)
+        async for name, data in log.follow(after):
+            await events.send_encoded(data, event=name)
 
     return await events.run(produce)
 

@@ -36,8 +36,12 @@ class EventStream:
     async def send(self, body: msgspec.Struct, event: str | None = None) -> None:
         """Raises ConnectionResetError once the client has gone. ``event``: the event's name
         (the Responses API names each)."""
+        await self.send_encoded(msgspec.json.encode(body), event)
+
+    async def send_encoded(self, data: bytes, event: str | None = None) -> None:
+        """`send` of a body already encoded as JSON."""
         named = b"" if event is None else b"event: " + event.encode() + b"\n"
-        await self.response.write(named + b"data: " + msgspec.json.encode(body) + b"\n\n")
+        await self.response.write(named + b"data: " + data + b"\n\n")
 
     async def fail(self, error: APIError) -> None:
         await self.send(error.body())
