@@ -1,8 +1,8 @@
 """GPU microbenchmarks for one device session: bandwidth, matmul, heron's kernels vs torch.
 
 Sections (``--only a,b``; default all): ``env``, ``bandwidth`` (device-to-device copy,
-GB/s), ``matmul`` (bf16 8192^3, TFLOP/s), ``ops`` (norm / activation / rotary / KV write
-vs their torch references), ``gemm`` (the decode step's projections at Llama-3-8B shapes, in
+GB/s), ``matmul`` (bf16 8192^3, TFLOP/s), ``ops`` (norm / activation / rotary / KV write,
+and rotary with the KV write, vs their torch references and their bytes), ``gemm`` (the decode step's projections at Llama-3-8B shapes, in
 several cuBLAS layouts and libraries, vs their bytes' roofline), ``decode`` (paged decode attention at batch 1/16/64/256, 1k
 context, and batch 16 at 4k, Llama-3-8B shapes, default plan, vs torch SDPA on contiguous
 K/V and vs the HBM roofline), ``prefill`` (the
