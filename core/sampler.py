@@ -11,7 +11,7 @@ from heron.core.grammar import apply_grammar_masks
 from heron.core.logprobs import (TokenLogprobs, describe_token_logprobs,
                                  token_logprob_tensors)
 from heron.core.penalties import (apply_allowed_tokens, apply_bad_words, apply_logit_bias,
-                                  apply_min_tokens, apply_penalties)
+                                  apply_min_tokens, apply_penalties, has_penalties)
 from heron.core.sequence import Sequence
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS): dividing logits by
@@ -116,6 +116,8 @@ class Sampler:
         asked for. Reads ``seqs``' histories (penalties, min_tokens) now."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} sequences")
+        if all(map(_takes_raw_argmax, seqs)):
+            return PendingSample(_checked_argmax(logits), [], [], ())
         logits = logits.float()  # a no-op for the float32 the contract asks for
         # One reduction finds all three ways a row can be unusable: amax is NaN if any entry
         # is NaN, +inf if any is +inf, -inf if every entry is masked.
@@ -159,6 +161,28 @@ class Sampler:
         index = to_device(random_rows, torch.long, logits.device)
         drawn = _draw(logits.index_select(0, index), [seqs[i] for i in random_rows])
         return logits.argmax(dim=-1).index_copy_(0, index, drawn)
+
+
+def _takes_raw_argmax(seq: Sequence) -> bool:
+    """Whether a row's token is the argmax of its raw logits and nothing else is asked of
+    it: greedy, no logprobs, and no setting that edits logits."""
+    params = seq.params
+    return (params.temperature < GREEDY_TEMPERATURE_EPS and params.logprobs is None
+            and not params.logit_bias and params.allowed_token_ids is None
+            and not params.bad_words_token_ids and seq.grammar is None
+            and not has_penalties(params)
+            and not (params.min_tokens and seq.num_output_tokens < params.min_tokens))
+
+
+def _checked_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``[B]`` int64 argmax of each row, ``FAILED`` for an unusable row, in one reduction
+    over the logits as they are (bf16 included: the conversion to float32 is exact, so the
+    argmax is the same). torch's argmax takes a NaN over anything and ``+inf`` over any
+    number, and lands on ``-inf`` only when the whole row is, so the chosen logit is finite
+    exactly when the row is usable."""
+    chosen = logits.argmax(dim=-1)
+    best = logits.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    return chosen.masked_fill_(~torch.isfinite(best), FAILED)
 
 
 def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

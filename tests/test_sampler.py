@@ -486,6 +486,42 @@ def test_non_finite_rows_fail_and_the_rest_sample(device):
     assert out.logprobs[1] is None and out.logprobs[5].token_id == out.token_ids[5]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_batch_fails_the_same_rows_in_one_argmax(monkeypatch, dtype, device):
+    """A batch of plain greedy rows skips the general path (no float copy, no separate
+    failure check) and still fails exactly the unusable rows; bf16 logits pick the tokens
+    their float32 values would."""
+    torch.manual_seed(13)
+    logits = (torch.randn(7, 300) * 4).to(dtype)
+    logits[1, 4] = float("nan")
+    logits[2, 9] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, 10:] = float("-inf")  # a mask, not a failure
+    logits[5, 17] = logits[5, 200] = 99.0  # a tie: the first index, as argmax
+    logits[6, 0], logits[6, 1] = float("nan"), float("inf")
+    seqs = [make_seq(SamplingParams(temperature=0.0), seq_id=i) for i in range(7)]
+    with_logprobs = [make_seq(SamplingParams(temperature=0.0, logprobs=0), seq_id=i)
+                     for i in range(7)]
+    general = Sampler(EOS).sample(logits.float(), with_logprobs)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a plain greedy batch should not reach here")
+
+    monkeypatch.setattr(sampler_module, "apply_min_tokens", forbidden)
+    out = Sampler(EOS).sample(logits.to(device), seqs)
+    assert out.failed_rows == general.failed_rows == [1, 2, 3, 6]
+    assert out.token_ids == general.token_ids
+    assert out.token_ids[5] == 17 and 0 <= out.token_ids[4] < 10
+
+    # One row that asks for more than the argmax sends the whole batch down the general path.
+    for extra in [dict(logit_bias={3: 1.0}), dict(allowed_token_ids=[1, 2]),
+                  dict(bad_words_token_ids=[[5]]), dict(repetition_penalty=1.2),
+                  dict(min_tokens=2), dict(logprobs=1), dict(temperature=0.5)]:
+        seqs[0] = make_seq(SamplingParams(**{"temperature": 0.0, **extra}), seq_id=0)
+        with pytest.raises(AssertionError, match="plain greedy"):
+            Sampler(EOS).sample(logits.to(device), seqs)
+
+
 def test_shape_mismatch_is_rejected():
     with pytest.raises(ValueError):
         Sampler(EOS).sample(torch.randn(2, 8), [make_seq(SamplingParams())])
