@@ -4,7 +4,7 @@ Decode tokens/s at several batch sizes with 1k-token contexts (steps in which th
 batch decodes), heron with async scheduling (the default on CUDA) and without, prefill
 tokens/s on a 4k prompt, the HBM roofline of decode (weight + KV bytes per step / copy
 bandwidth), and a profile of decode steps at one batch size. ``--from-bench`` runs the
-attention kernels a bench/gpu_bench.py run found fastest. Runs on CPU too with
+attention kernels (and BLAS library) a bench/gpu_bench.py run found fastest. Runs on CPU too with
 ``--shape tiny`` (a smoke test of the code paths).
 """
 
@@ -219,12 +219,20 @@ def roofline(config: dict, batch: int, context: int, bandwidth: float, dtype) ->
 
 #: Largest relative error vs SDPA a prefill kernel of the bench may have to be chosen.
 PREFILL_ERR_LIMIT = 2e-2
+#: gpu_bench's GEMM variants a run can switch to without touching the weights (torch's BLAS
+#: libraries), the batch whose decode-step GEMM time picks one, and by how much it must beat
+#: the default library to be taken.
+BLAS_VARIANTS = {"linear-cublas": "cublas", "linear-cublaslt": "cublaslt"}
+BLAS_BATCH = 64
+BLAS_MIN_GAIN = 0.02
 
 
 def choose_kernels(bench: dict) -> dict:
     """Run the fastest correct attention kernels of a bench/gpu_bench.py run: its recommended
     decode variant with its fitted plan knobs, the fastest prefill kernel on the 4k prompt
-    within PREFILL_ERR_LIMIT of SDPA. Returns what was chosen."""
+    within PREFILL_ERR_LIMIT of SDPA; and the BLAS library whose decode-step GEMMs at
+    BLAS_BATCH rows were fastest, if it beats the default by BLAS_MIN_GAIN (for heron and
+    transformers alike: the setting is the process's). Returns what was chosen."""
     from heron.core.ops.cuda import attention, plan
 
     chosen = {}
@@ -243,6 +251,13 @@ def choose_kernels(bench: dict) -> dict:
         attention.PREFILL_KERNEL = kernel
         attention.PREFILL_MMA_TILE = plan.MmaTile(*map(int, tile.split("x"))) if tile else None
         chosen["prefill"] = label
+    step = bench.get("gemm", {}).get("per_step_ms", {}).get(str(BLAS_BATCH), {})
+    libraries = {v: step[v] for v in BLAS_VARIANTS if v in step}
+    if libraries and "linear" in step:
+        variant = min(libraries, key=libraries.get)
+        if libraries[variant] < (1 - BLAS_MIN_GAIN) * step["linear"]:
+            torch.backends.cuda.preferred_blas_library(BLAS_VARIANTS[variant])
+            chosen["blas"] = BLAS_VARIANTS[variant]
     return chosen
 
 
@@ -260,7 +275,8 @@ def main() -> None:
     parser.add_argument("--profile-batch", type=int, default=64,
                         help="profile 8 decode steps at this batch size (0: none)")
     parser.add_argument("--from-bench", type=Path, default=None,
-                        help="gpu_bench.json: run its fastest correct attention kernels")
+                        help="gpu_bench.json: run its fastest correct attention kernels "
+                             "and BLAS library")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -268,7 +284,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     kernels = choose_kernels(json.loads(args.from_bench.read_text())) \
         if args.from_bench and args.from_bench.exists() else {}
-    print("attention kernels:", kernels or "defaults", flush=True)
+    print("kernels:", kernels or "defaults", flush=True)
     bandwidth = copy_bandwidth(device)
     results = {"kernels": kernels, "shape": args.shape, "device": str(device), "dtype": str(dtype),
                "context": args.context, "steps": args.steps, "copy_bandwidth_Bps": bandwidth,
@@ -333,7 +349,7 @@ def format_table(results: dict) -> str:
         rows.append(f"| prefill tok/s, {hp['prompt_tokens']} tokens | {hp['tokens_per_s']:.0f} | - | "
                     + (f"{tp['tokens_per_s']:.0f} | {hp['tokens_per_s'] / tp['tokens_per_s']:.2f} | - |"
                        if tp else "- | - | - |"))
-    rows += ["", f"attention kernels: {results['kernels'] or 'defaults'}"]
+    rows += ["", f"kernels: {results['kernels'] or 'defaults'}"]
     for prof in results["heron"].get("profile") or ():
         rows.append(f"decode step at batch {prof['batch']}"
                     f"{'' if prof['async_scheduling'] else ', sync steps'}: "
