@@ -942,9 +942,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
         print(f"[{name}] {time.perf_counter() - t0:.1f} s: "
               f"{json.dumps(results[name], default=str)[:2000]}", flush=True)
-    (out / "gpu_bench.json").write_text(json.dumps(results, indent=2, default=str))
-    report = markdown(results)
-    (out / "gpu_bench.md").write_text(report)
+        # after every section: a run cut short by its time limit keeps what it measured
+        (out / "gpu_bench.json").write_text(json.dumps(results, indent=2, default=str))
+        report = markdown(results)
+        (out / "gpu_bench.md").write_text(report)
     print(report)
     return 1 if any(isinstance(v, dict) and "error" in v for v in results.values()) else 0
 
