@@ -1,7 +1,9 @@
 """Responses kept for ``previous_response_id`` and ``/v1/responses/{id}`` (``GET``,
 ``DELETE``, ``input_items``, ``cancel``): finished ones, and background ones at each state
 they reach; in memory, the newest ``server.max_stored_responses`` of them (least recently
-used first out), each seen only by the tenant whose request made it.
+used first out), each seen only by the tenant whose request made it. Background responses
+that still run are kept beside those (dropped, they could no longer be read, followed or
+cancelled) and count once they have ended.
 
 An entry holds its response and the whole conversation up to it as input items: the
 previous response's items, this request's input (each named with an id if it came without
@@ -12,6 +14,7 @@ never breaks the entries that continue it.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,6 +25,9 @@ if TYPE_CHECKING:
     from heron.server.response_background import EventLog
 
 Item = dict[str, Any]  # an input item, as `heron.server.responses_api.conversation` reads it
+
+#: The states of a background response that has not ended.
+RUNNING = ("queued", "in_progress")
 
 
 @dataclass(frozen=True)
@@ -35,14 +41,22 @@ class ResponseStore:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._entries: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
+        self._running: set[tuple[str, str]] = set()
 
     def put(self, tenant: str, stored: StoredResponse) -> None:
-        """Keep ``stored``, dropping the least recently used past the capacity."""
+        """Keep ``stored``; past ``capacity`` ended responses, drop the least recently used."""
         key = (tenant, stored.response.id)
         self._entries[key] = stored
         self._entries.move_to_end(key)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        if stored.response.status in RUNNING:
+            self._running.add(key)
+        else:
+            self._running.discard(key)
+        excess = len(self._entries) - len(self._running) - self.capacity
+        if excess > 0:
+            ended = (k for k in self._entries if k not in self._running)
+            for old in list(itertools.islice(ended, excess)):
+                del self._entries[old]
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         stored = self._entries.get((tenant, response_id))
@@ -51,4 +65,5 @@ class ResponseStore:
         return stored
 
     def delete(self, tenant: str, response_id: str) -> bool:
+        self._running.discard((tenant, response_id))
         return self._entries.pop((tenant, response_id), None) is not None

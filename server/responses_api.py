@@ -50,7 +50,7 @@ from heron.server.response_protocol import (INPUT_ITEMS, Event, FunctionCallItem
                                             ResponseIncomplete, ResponseInProgress,
                                             ResponseQueued, ResponsesRequest, ResponseUsage,
                                             RetrieveQuery, TextConfig, TextFormat)
-from heron.server.response_store import Item, ResponseStore, StoredResponse
+from heron.server.response_store import RUNNING, Item, ResponseStore, StoredResponse
 from heron.server.responses import json_response
 from heron.server.sse import EventStream
 from heron.server.tools import CallHold, ToolPlan, new_call_id, plan_tools
@@ -230,7 +230,7 @@ def _earlier(request: web.Request, previous_id: str | None) -> tuple[Item, ...]:
                           "sent with `store: false`, deleted ones, and the least recently "
                           "used past `server.max_stored_responses` are not kept)",
                           param="previous_response_id", code="previous_response_not_found")
-    if stored.response.status in ("queued", "in_progress"):
+    if stored.response.status in RUNNING:
         raise bad_request(f"Previous response with id {previous_id!r} is still running in the "
                           "background: continue it once it has ended",
                           param="previous_response_id", code="previous_response_running")

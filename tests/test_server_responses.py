@@ -474,6 +474,24 @@ def test_a_server_stopping_ends_its_background_responses(model_dir):
     assert engine.num_blocks_in_use == 0 and not engine.has_unfinished()
 
 
+def test_a_running_background_response_is_not_dropped_for_room(model_dir):
+    """Past the store's capacity the least recently used response that has ended goes,
+    never one still running: it stays readable and cancellable, and goes once it ends."""
+    with serve(model_dir, **{"server.max_stored_responses": 1}) as s:
+        client = s.client()
+        running = respond(s, background=True, **LONG)
+        first, second = respond(s, max_output_tokens=1), respond(s, max_output_tokens=1)
+        assert client.responses.retrieve(running.id).status in ("queued", "in_progress")
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(first.id)
+        assert client.responses.retrieve(second.id).id == second.id
+        assert client.responses.cancel(running.id).status == "cancelled"
+        respond(s, max_output_tokens=1)
+        with pytest.raises(openai.NotFoundError):  # ended, and least recently used
+            client.responses.retrieve(running.id)
+        _idle(s)
+
+
 def test_each_tenant_sees_its_own_responses_and_the_store_keeps_the_newest(model_dir):
     tenants = {"acme": ["key-a"], "globex": ["key-g"]}
     with serve(model_dir, **{"server.tenants": tenants, "server.max_stored_responses": 2}) as s:
