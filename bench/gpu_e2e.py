@@ -4,7 +4,7 @@ Decode tokens/s at several batch sizes with 1k-token contexts (steps in which th
 batch decodes), heron with async scheduling (the default on CUDA) and without, prefill
 tokens/s on a 4k prompt, the HBM roofline of decode (weight + KV bytes per step / copy
 bandwidth), and a profile of decode steps at one batch size. ``--from-bench`` runs the
-attention kernels (and BLAS library) a bench/gpu_bench.py run found fastest. Runs on CPU too with
+attention kernels and GEMM setup a bench/gpu_bench.py run found fastest. Runs on CPU too with
 ``--shape tiny`` (a smoke test of the code paths).
 """
 
@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import importlib
 import json
 import tempfile
 import time
@@ -219,20 +220,21 @@ def roofline(config: dict, batch: int, context: int, bandwidth: float, dtype) ->
 
 #: Largest relative error vs SDPA a prefill kernel of the bench may have to be chosen.
 PREFILL_ERR_LIMIT = 2e-2
-#: gpu_bench's GEMM variants a run can switch to without touching the weights (torch's BLAS
-#: libraries), the batch whose decode-step GEMM time picks one, and by how much it must beat
-#: the default library to be taken.
-BLAS_VARIANTS = {"linear-cublas": "cublas", "linear-cublaslt": "cublaslt"}
-BLAS_BATCH = 64
-BLAS_MIN_GAIN = 0.02
+#: gpu_bench's GEMM variants a run can switch to (a BLAS library of torch's, or the weights
+#: laid out column-major), the batch whose decode-step GEMM time picks one, and by how much
+#: it must beat the default ("linear") to be taken.
+GEMM_CHOICES = {"linear-cublas": ("blas", "cublas"), "linear-cublaslt": ("blas", "cublaslt"),
+                "transposed": ("weights", "column")}
+GEMM_BATCH = 64
+GEMM_MIN_GAIN = 0.02
 
 
 def choose_kernels(bench: dict) -> dict:
     """Run the fastest correct attention kernels of a bench/gpu_bench.py run: its recommended
     decode variant with its fitted plan knobs, the fastest prefill kernel on the 4k prompt
-    within PREFILL_ERR_LIMIT of SDPA; and the BLAS library whose decode-step GEMMs at
-    BLAS_BATCH rows were fastest, if it beats the default by BLAS_MIN_GAIN (for heron and
-    transformers alike: the setting is the process's). Returns what was chosen."""
+    within PREFILL_ERR_LIMIT of SDPA; and the GEMM variant whose decode-step GEMMs at
+    GEMM_BATCH rows were fastest, if it beats the default by GEMM_MIN_GAIN (a BLAS library
+    is the process's, so transformers runs on it too). Returns what was chosen."""
     from heron.core.ops.cuda import attention, plan
 
     chosen = {}
@@ -251,13 +253,17 @@ def choose_kernels(bench: dict) -> dict:
         attention.PREFILL_KERNEL = kernel
         attention.PREFILL_MMA_TILE = plan.MmaTile(*map(int, tile.split("x"))) if tile else None
         chosen["prefill"] = label
-    step = bench.get("gemm", {}).get("per_step_ms", {}).get(str(BLAS_BATCH), {})
-    libraries = {v: step[v] for v in BLAS_VARIANTS if v in step}
-    if libraries and "linear" in step:
-        variant = min(libraries, key=libraries.get)
-        if libraries[variant] < (1 - BLAS_MIN_GAIN) * step["linear"]:
-            torch.backends.cuda.preferred_blas_library(BLAS_VARIANTS[variant])
-            chosen["blas"] = BLAS_VARIANTS[variant]
+    step = bench.get("gemm", {}).get("per_step_ms", {}).get(str(GEMM_BATCH), {})
+    timed = {v: step[v] for v in GEMM_CHOICES if v in step}
+    if timed and "linear" in step:
+        variant = min(timed, key=timed.get)
+        if timed[variant] < (1 - GEMM_MIN_GAIN) * step["linear"]:
+            what, choice = GEMM_CHOICES[variant]
+            if what == "blas":
+                torch.backends.cuda.preferred_blas_library(choice)
+            else:  # the module: the package's `linear` is the function
+                importlib.import_module("heron.core.ops.linear").CUDA_WEIGHT_LAYOUT = choice
+            chosen[what] = choice
     return chosen
 
 
@@ -276,7 +282,7 @@ def main() -> None:
                         help="profile 8 decode steps at this batch size (0: none)")
     parser.add_argument("--from-bench", type=Path, default=None,
                         help="gpu_bench.json: run its fastest correct attention kernels "
-                             "and BLAS library")
+                             "and GEMM setup")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

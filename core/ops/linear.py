@@ -7,8 +7,10 @@ about 50 ms with the weights kept in oneDNN's blocked layout (its lm_head 26 ms 
 the layout vLLM's CPU backend uses too. `pack_weight` converts a CPU weight to that layout:
 fp32, and bf16 on CPUs with bf16 dot products (AVX512-BF16, AMX), where a packed bf16
 projection reads half the bytes (a 4096 x 576 one at 1 row: 82 us fp32, 57 us bf16, 125 us
-through `F.linear`). `linear` multiplies with either kind. Other devices and dtypes, and
-torch builds without oneDNN, keep the plain weight and `F.linear`.
+through `F.linear`). `linear` multiplies with either kind. On CUDA a weight keeps its
+values and shape but may be laid out column-major (`CUDA_WEIGHT_LAYOUT`), which cuBLAS
+multiplies with other kernels. Other devices and dtypes, and torch builds without oneDNN,
+keep the plain weight and `F.linear`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ import torch.nn.functional as F
 
 # The row count oneDNN tunes the packed layout for; any count works with it.
 _PACK_ROWS = 32
+
+#: How `pack_weight` lays out a 2-D CUDA weight ``[out, in]``: "row" (row-major, as loaded:
+#: ``x @ W.T`` is cuBLAS's "TN" case) or "column" (column-major, the storage of ``W.T``:
+#: "NN"). bench/gpu_bench.py's gemm section times both on the decode step's shapes.
+CUDA_WEIGHT_LAYOUT = "row"
 
 
 def can_pack(w: torch.Tensor) -> bool:
@@ -30,8 +37,10 @@ def can_pack(w: torch.Tensor) -> bool:
 
 def pack_weight(w: torch.Tensor | None) -> torch.Tensor | None:
     """``w [out, in]`` in the fastest layout for `linear` on its device (a new tensor when
-    `can_pack`; ``w`` itself otherwise). A packed weight has ``shape`` but no strides: use it
-    only through `linear`."""
+    `can_pack` or laid out column-major on CUDA; ``w`` itself otherwise). A packed weight
+    has ``shape`` but no strides: use it only through `linear`."""
+    if w is not None and w.is_cuda and w.dim() == 2 and CUDA_WEIGHT_LAYOUT == "column":
+        return w.t().contiguous().t()
     if w is None or not can_pack(w):
         return w
     return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)

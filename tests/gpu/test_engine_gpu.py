@@ -7,6 +7,8 @@ off must agree too.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -216,3 +218,22 @@ def test_async_scheduling_on_cuda_changes_no_output(tmp_path):
                                  **{"model.device": "cuda"})
     assert async_.async_scheduling and not sync.async_scheduling
     assert async_.graphs is not None and async_.graphs.graphs
+
+
+def test_column_major_weights_give_the_same_tokens(tiny, monkeypatch):
+    """CUDA weights laid out column-major (cuBLAS's "NN" GEMMs) serve the tokens and prompt
+    logits of the CPU."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path, prompts = tiny
+    _, cpu_rec, cpu_tokens, cpu_outs = run(path, prompts, "cpu")
+    # the module itself: the package's `linear` is the function
+    monkeypatch.setattr(importlib.import_module("heron.core.ops.linear"), "CUDA_WEIGHT_LAYOUT",
+                        "column")
+    engine, gpu_rec, gpu_tokens, gpu_outs = run(path, prompts, "cuda")
+    qkv = engine.runner.model.layers[0].attn.qkv
+    assert qkv.stride() == (1, qkv.shape[0]), "the weights were not laid out column-major"
+    assert gpu_tokens == cpu_tokens
+    worst = max((cpu_rec.rows[(c.request_id, pos)] - gpu_rec.rows[(g.request_id, pos)].cpu())
+                .abs().max().item()
+                for c, g, prompt in zip(cpu_outs, gpu_outs, prompts) for pos in range(len(prompt)))
+    assert worst <= 1e-3, f"CPU vs CUDA prompt logits differ by {worst:.2e}"
