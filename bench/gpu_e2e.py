@@ -4,8 +4,8 @@ Decode tokens/s at several batch sizes with 1k-token contexts (steps in which th
 batch decodes), heron with async scheduling (the default on CUDA) and without, prefill
 tokens/s on a 4k prompt, the HBM roofline of decode (weight + KV bytes per step / copy
 bandwidth), and a profile of decode steps at one batch size. ``--from-bench`` runs the
-attention kernels and GEMM setup a bench/gpu_bench.py run found fastest. Runs on CPU too with
-``--shape tiny`` (a smoke test of the code paths).
+attention kernels and GEMM setup a bench/gpu_bench.py run found fastest. Runs on CPU too
+with ``--shape tiny`` (a smoke test of the code paths).
 """
 
 from __future__ import annotations
