@@ -86,3 +86,13 @@ def test_output_text_accumulates(tokenizer):
         detok.append([i])
     detok.flush()
     assert detok.output_text == TEXTS[2]
+
+
+def test_prompt_ending_mid_character_leaks_none_of_its_text(tokenizer):
+    """A token-array prompt may end inside a character; the output's text starts after it
+    (the bytes that complete that character are the prompt's, as in TGI and vLLM's slow
+    detokenizer) and never repeats prompt text."""
+    ids = tokenizer.encode("Hello there ok 😀 and more 中文 words")
+    cut = next(n for n in range(1, len(ids)) if tokenizer.decode(ids[:n]).endswith(REPLACEMENT))
+    deltas, tail = _stream(tokenizer, ids[:cut], ids[cut:], [1] * (len(ids) - cut))
+    assert "".join(deltas) + tail == " and more 中文 words"
