@@ -4,9 +4,9 @@
 #   bash bench/gpu.sh [gpu_bench.py args, e.g. --only decode,prefill]
 #
 # heron is not pip-installed on the device, so this builds a throw-away `heron` namespace
-# (symlinks core, plugins, server) and puts it first on PYTHONPATH. If msgspec or llguidance
-# (structured outputs) is missing there, carry its wheel in .whl/ (see the device tool's
-# notes); it is installed to a temp dir.
+# (symlinks core, plugins, server) and puts it first on PYTHONPATH. The packages the GPU
+# machine's image lacks (msgspec, llguidance, gguf, structlog) travel as wheels in .whl/,
+# which bench/gpu_wheels.sh fills; they are installed to a temp dir.
 # Results (test log, JSON, markdown) go to $OUT, else bench/results/. Budget: < 8.5 minutes.
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
