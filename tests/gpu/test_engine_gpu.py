@@ -41,6 +41,13 @@ def run(path, prompts, device, **overrides):
     return engine, recorder, [o.outputs[0].token_ids for o in outs], outs
 
 
+def prompt_logits_gap(cpu_rec, cpu_outs, gpu_rec, gpu_outs, prompts) -> float:
+    """The largest absolute difference between the two runs' logits at any prompt position."""
+    return max((cpu_rec.rows[(c.request_id, pos)] - gpu_rec.rows[(g.request_id, pos)].cpu())
+               .abs().max().item()
+               for c, g, prompt in zip(cpu_outs, gpu_outs, prompts) for pos in range(len(prompt)))
+
+
 def test_greedy_on_cuda_matches_cpu(tiny):
     torch.backends.cuda.matmul.allow_tf32 = False
     path, prompts = tiny
@@ -48,12 +55,7 @@ def test_greedy_on_cuda_matches_cpu(tiny):
     engine, gpu_rec, gpu_tokens, gpu_outs = run(path, prompts, "cuda")
     assert engine.graphs is not None and engine.graphs.graphs, "decode did not use CUDA graphs"
     assert gpu_tokens == cpu_tokens
-    worst = 0.0
-    for c, g, prompt in zip(cpu_outs, gpu_outs, prompts):
-        for pos in range(len(prompt)):
-            a = cpu_rec.rows[(c.request_id, pos)]
-            b = gpu_rec.rows[(g.request_id, pos)].cpu()
-            worst = max(worst, (a - b).abs().max().item())
+    worst = prompt_logits_gap(cpu_rec, cpu_outs, gpu_rec, gpu_outs, prompts)
     assert worst <= 1e-3, f"CPU vs CUDA prompt logits differ by {worst:.2e}"
     _, _, eager_tokens, _ = run(path, prompts, "cuda", **{"engine.cuda_graphs": False})
     assert eager_tokens == cpu_tokens
@@ -137,9 +139,7 @@ def test_hybrid_greedy_on_cuda_matches_cpu(kind, tmp_path):
     engine, gpu_rec, gpu_tokens, gpu_outs = run(tmp_path, prompts, "cuda")
     assert engine.states.slots.num_used == 0
     assert gpu_tokens == cpu_tokens
-    worst = max((cpu_rec.rows[(c.request_id, pos)] - gpu_rec.rows[(g_.request_id, pos)].cpu())
-                .abs().max().item()
-                for c, g_, p in zip(cpu_outs, gpu_outs, prompts) for pos in range(len(p)))
+    worst = prompt_logits_gap(cpu_rec, cpu_outs, gpu_rec, gpu_outs, prompts)
     assert worst <= 1e-3, f"CPU vs CUDA prompt logits differ by {worst:.2e}"
     assert engine.runner.supports_cuda_graphs == (kind != "nemotron_h")
     if engine.runner.supports_cuda_graphs:
@@ -233,7 +233,5 @@ def test_column_major_weights_give_the_same_tokens(tiny, monkeypatch):
     qkv = engine.runner.model.layers[0].attn.qkv
     assert qkv.stride() == (1, qkv.shape[0]), "the weights were not laid out column-major"
     assert gpu_tokens == cpu_tokens
-    worst = max((cpu_rec.rows[(c.request_id, pos)] - gpu_rec.rows[(g.request_id, pos)].cpu())
-                .abs().max().item()
-                for c, g, prompt in zip(cpu_outs, gpu_outs, prompts) for pos in range(len(prompt)))
+    worst = prompt_logits_gap(cpu_rec, cpu_outs, gpu_rec, gpu_outs, prompts)
     assert worst <= 1e-3, f"CPU vs CUDA prompt logits differ by {worst:.2e}"
