@@ -14,7 +14,6 @@ never breaks the entries that continue it.
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,22 +40,15 @@ class ResponseStore:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._entries: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
-        self._running: set[tuple[str, str]] = set()
 
     def put(self, tenant: str, stored: StoredResponse) -> None:
         """Keep ``stored``; past ``capacity`` ended responses, drop the least recently used."""
         key = (tenant, stored.response.id)
         self._entries[key] = stored
         self._entries.move_to_end(key)
-        if stored.response.status in RUNNING:
-            self._running.add(key)
-        else:
-            self._running.discard(key)
-        excess = len(self._entries) - len(self._running) - self.capacity
-        if excess > 0:
-            ended = (k for k in self._entries if k not in self._running)
-            for old in list(itertools.islice(ended, excess)):
-                del self._entries[old]
+        ended = [k for k, s in self._entries.items() if s.response.status not in RUNNING]
+        for old in ended[:max(0, len(ended) - self.capacity)]:
+            del self._entries[old]
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         stored = self._entries.get((tenant, response_id))
@@ -65,5 +57,4 @@ class ResponseStore:
         return stored
 
     def delete(self, tenant: str, response_id: str) -> bool:
-        self._running.discard((tenant, response_id))
         return self._entries.pop((tenant, response_id), None) is not None
