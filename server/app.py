@@ -57,15 +57,15 @@ def served_model_name(config: Config, engine: Engine) -> str:
 def _engine_context(given: Engine | None):
     async def engine_context(app: web.Application):
         config = app[CONFIG]
-        engine = given
-        if engine is None:
-            # loading takes seconds to minutes; keep the loop free for signals meanwhile
-            engine = await asyncio.get_running_loop().run_in_executor(None, Engine, config)
+        limits = {"max_waiting_requests": config.server.max_waiting_requests,
+                  "max_waiting_tokens": config.server.max_waiting_tokens}
+        if given is None:  # loads on the thread that will step it, the loop free meanwhile
+            async_engine = await AsyncEngine.load(config, **limits)
+        else:
+            async_engine = AsyncEngine(given, **limits)
+        engine = async_engine.engine
         check_language_defaults(config.model, engine.runner)
         app[REASONING] = reasoning_parser(config.server.reasoning_parser, engine.tokenizer)
-        async_engine = AsyncEngine(engine,
-                                   max_waiting_requests=config.server.max_waiting_requests,
-                                   max_waiting_tokens=config.server.max_waiting_tokens)
         app[ASYNC_ENGINE] = async_engine
         app[METRICS] = Metrics(lambda: async_engine.stats)
         app[MODEL_NAME] = served_model_name(config, engine)

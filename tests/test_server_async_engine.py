@@ -10,6 +10,7 @@ import time
 import pytest
 
 from heron.core.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
+from heron.core.config import load_config
 from heron.core.sampling_params import SamplingParams, StructuredOutput
 from tests.engine_utils import make_engine
 from tests.tiny_models import build_tiny
@@ -187,3 +188,40 @@ def test_stop_finishes_every_request_and_refuses_new_ones(engine):
 
     rest = run(engine, body)
     assert rest[-1].finished and rest[-1].seqs[0].finish_reason == "abort"
+
+
+def test_load_builds_the_engine_on_the_thread_that_steps_it(tmp_path, monkeypatch):
+    # torch's OpenMP keeps a worker pool per thread that does model math; a second pool
+    # makes the workers sleep between parallel regions, and every step waits to wake them
+    import heron.core.async_engine as async_engine
+
+    build_tiny("llama", tmp_path)
+    threads = {"stepped": set()}
+
+    class Observed(async_engine.Engine):
+        def __init__(self, config):
+            threads["built"] = threading.get_ident()
+            super().__init__(config)
+
+        def step(self):
+            threads["stepped"].add(threading.get_ident())
+            return super().step()
+
+    monkeypatch.setattr(async_engine, "Engine", Observed)
+    config = load_config(None, {"model.path": str(tmp_path), "model.dtype": "float32",
+                                "model.device": "cpu"})
+
+    async def main():
+        driver = await AsyncEngine.load(config)
+        driver.start()
+        try:
+            queue = asyncio.Queue()
+            await driver.add("a", [5, 6, 7], SamplingParams(max_tokens=4), queue.put_nowait)
+            return await collect(queue)
+        finally:
+            await driver.stop()
+
+    deltas = asyncio.run(main())
+    assert deltas[-1].seqs[0].finish_reason == "length"
+    assert threads["built"] != threading.get_ident()
+    assert threads["stepped"] == {threads["built"]}
