@@ -6,15 +6,19 @@ import itertools
 
 import torch
 
-from heron.core.config import load_config
+from heron.core.config import Config, load_config
 from heron.core.engine import Engine
 from heron.core.outputs import RequestOutput
 
 
+def engine_config(path, **overrides) -> Config:
+    """The model at ``path`` in fp32 on the CPU, with ``overrides`` (dotted keys)."""
+    return load_config(None, {"model.path": str(path), "model.dtype": "float32",
+                              "model.device": "cpu", **overrides})
+
+
 def make_engine(path, **overrides) -> Engine:
-    settings = {"model.path": str(path), "model.dtype": "float32", "model.device": "cpu"}
-    settings.update(overrides)
-    return Engine(load_config(None, settings))
+    return Engine(engine_config(path, **overrides))
 
 
 class LogitsRecorder:

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from heron.core import Engine, SamplingParams, load_config
-from tests.engine_utils import assert_no_leaks, run_to_end
+from heron.core import Engine, SamplingParams
+from tests.engine_utils import assert_no_leaks, engine_config, run_to_end
 from tests.fault_plugin import ALLOC, NAN, RAISE, plugins
 from tests.hybrid_models import build_hybrid
 from tests.lora_models import build_adapter
@@ -38,9 +38,8 @@ def scheduling(request) -> dict:
 @pytest.fixture
 def make(scheduling):
     def make(path, **overrides) -> Engine:
-        settings = {"model.path": str(path), "model.dtype": "float32", "model.device": "cpu",
-                    "model.family": "faulty", **scheduling, **overrides}
-        return Engine(load_config(None, settings), plugins())
+        config = engine_config(path, **{"model.family": "faulty", **scheduling, **overrides})
+        return Engine(config, plugins())
     return make
 
 

@@ -10,9 +10,8 @@ import time
 import pytest
 
 from heron.core.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
-from heron.core.config import load_config
 from heron.core.sampling_params import SamplingParams, StructuredOutput
-from tests.engine_utils import make_engine
+from tests.engine_utils import engine_config, make_engine
 from tests.tiny_models import build_tiny
 
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
@@ -191,8 +190,7 @@ def test_stop_finishes_every_request_and_refuses_new_ones(engine):
 
 
 def test_load_builds_the_engine_on_the_thread_that_steps_it(tmp_path, monkeypatch):
-    # torch's OpenMP keeps a worker pool per thread that does model math; a second pool
-    # makes the workers sleep between parallel regions, and every step waits to wake them
+    # why: the threading contract in heron.core.async_engine (one OpenMP pool, not two)
     import heron.core.async_engine as async_engine
 
     build_tiny("llama", tmp_path)
@@ -208,8 +206,7 @@ def test_load_builds_the_engine_on_the_thread_that_steps_it(tmp_path, monkeypatc
             return super().step()
 
     monkeypatch.setattr(async_engine, "Engine", Observed)
-    config = load_config(None, {"model.path": str(tmp_path), "model.dtype": "float32",
-                                "model.device": "cpu"})
+    config = engine_config(tmp_path)
 
     async def main():
         driver = await AsyncEngine.load(config)
