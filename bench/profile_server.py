@@ -1,7 +1,7 @@
 """Where a heron server's time goes under load: py-spy samples, sorted into categories.
 
-Starts heron as `bench.compare` does, loads it with `bench.loadgen` (short chats, streaming,
-``ignore_eos``) at ``--concurrency``, samples every thread with py-spy while the load runs
+Starts heron as `bench.compare` does, loads it with `bench.loadgen` (``--workload``, short
+chats by default; streaming, ``ignore_eos``) at ``--concurrency``, samples every thread with py-spy while the load runs
 (non-blocking; time inside torch's C++ kernels lands on the Python line that called them) and sorts each sample by the innermost heron frame of its stack:
 
 - model math: the family's forward and ``core/ops`` (matmuls, attention, norms);
@@ -85,6 +85,7 @@ def summarize(raw: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--workload", default="short-chat")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
@@ -105,14 +106,14 @@ def main() -> None:
                             start_new_session=True)
     try:
         wait_ready(url, proc, 300)
-        asyncio.run(run(url, load_workload("short-chat", args.concurrency, 8),
+        asyncio.run(run(url, load_workload(args.workload, args.concurrency, 8),
                         concurrency=args.concurrency, ignore_eos=True, progress=False))
         spy = subprocess.Popen(
             [Path(sys.executable).parent / "py-spy", "record", "--pid", str(proc.pid),
              "--rate", str(args.rate), "--format", "raw", "--threads", "--nonblocking",
              "--output", str(raw_path)],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        load = asyncio.run(run(url, load_workload("short-chat", args.requests, args.max_tokens),
+        load = asyncio.run(run(url, load_workload(args.workload, args.requests, args.max_tokens),
                                concurrency=args.concurrency, ignore_eos=True))
         spy.send_signal(2)  # SIGINT: py-spy writes what it has and exits
         spy.wait(60)
@@ -120,7 +121,8 @@ def main() -> None:
         stop(proc)
     profile = summarize(raw_path.read_text())
     result = {"date": dt.datetime.now().isoformat(timespec="seconds"),
-              "concurrency": args.concurrency, "threads": args.threads,
+              "workload": args.workload, "concurrency": args.concurrency,
+              "threads": args.threads,
               "output_tokens_per_s": load["output_tokens_per_s"],
               "itl_ms": load["itl_ms"], **profile}
     (args.out / f"profile-{date}.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -46,3 +46,49 @@ def test_paged_attention_matches_attention_written_out(query_lens, seq_lens):
     out = paged_attention_ref(case.q, k, v, case.meta, case.scale)
     assert out.dtype == case.q.dtype and out.shape == case.q.shape
     torch.testing.assert_close(out.double(), written_out(case), rtol=1e-5, atol=1e-5)
+
+
+def share_blocks(case, members, num_blocks):
+    """Make ``members`` read sequence ``members[0]``'s first ``num_blocks`` blocks, as the
+    prefix cache has requests with one prompt do."""
+    tables = case.meta.block_tables
+    tables[members, :num_blocks] = tables[members[0], :num_blocks].clone()
+    return case
+
+
+@pytest.mark.parametrize("seq_lens, groups", [
+    ([20, 17, 30, 13, 9], [([0, 1, 2, 3], 3)]),          # four share 3 blocks, one alone
+    ([20, 16, 29, 9, 25, 14], [([0, 1, 2], 4), ([3, 4, 5], 2)]),  # two groups; 16: its
+    # fourth block ends at its query, so the group shares 3
+    ([33, 33], [([0, 1], 8)]),                            # n samples of one prompt
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_reads_a_shared_prefix_once(seq_lens, groups, dtype, monkeypatch):
+    monkeypatch.setattr("heron.core.batch.MIN_SHARED_KEYS", 1)
+    case = make_paged_case([1] * len(seq_lens), seq_lens, num_q_heads=6, num_kv_heads=2,
+                           head_dim=16, block_size=4, dtype=dtype, device="cpu", seed=5)
+    for members, num_blocks in groups:
+        share_blocks(case, members, num_blocks)
+    case.k_cache, case.v_cache = case.k_cache.nan_to_num(0.0), case.v_cache.nan_to_num(0.0)
+    plan = case.meta.shared_prefix_plan
+    assert plan is not None and len(plan.groups) == len(groups)
+    expected = [min(n, min((seq_lens[i] - 1) // 4 for i in m)) * 4 for m, n in groups]
+    assert [len(slots) for _, slots in plan.groups] == expected
+    out = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert out.dtype == dtype and out.shape == case.q.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), written_out(case), rtol=tol, atol=tol)
+
+
+def test_a_shared_prefix_is_split_out_only_where_it_pays():
+    def case(query_len, num_seqs, shared_blocks):
+        return share_blocks(make_paged_case([query_len] * num_seqs, [200] * num_seqs,
+                                            num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                            block_size=16, dtype=torch.float32, device="cpu"),
+                            list(range(num_seqs)), shared_blocks)
+
+    assert case(1, 8, 7).meta.shared_prefix_plan is None  # 112 shared keys: one call is faster
+    plan = case(1, 8, 8).meta.shared_prefix_plan
+    assert plan is not None and len(plan.groups[0][1]) == 128
+    assert case(1, 1, 8).meta.shared_prefix_plan is None  # nobody to share with
+    assert case(2, 8, 8).meta.shared_prefix_plan is None  # drafts: the padded path

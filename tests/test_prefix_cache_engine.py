@@ -13,7 +13,7 @@ import torch
 
 from heron.core.sampling_params import SamplingParams
 from heron.core.sequence import SequenceStatus
-from tests.engine_utils import assert_no_leaks, make_engine, run_one
+from tests.engine_utils import assert_no_leaks, make_engine, run_one, run_to_end
 from tests.tiny_models import build_tiny
 
 BS = 16
@@ -71,6 +71,27 @@ def test_a_shared_1000_token_prefix_is_reused_without_changing_the_output(model_
     assert second.num_cached_tokens < len(prompt)
     same_tokens_and_logprobs(second, run(cold, prompt))
     assert run(cold, prompt).num_cached_tokens == 0
+    assert_no_leaks(engine)
+
+
+def test_decoding_beside_requests_with_the_same_prefix_reads_it_once(model_dir, cold,
+                                                                    monkeypatch):
+    import heron.core.ops.attention as attention
+    split = attention._shared_prefix_decode
+    calls = []
+    monkeypatch.setattr(attention, "_shared_prefix_decode",
+                        lambda *a: calls.append(a[3]) or split(*a))
+    engine = engine_for(model_dir)
+    run(engine, PREFIX + tokens(5, seed=20))  # caches the prefix
+    prompts = {f"p{i}": PREFIX[:700 + 100 * i] + tokens(10 + i, seed=30 + i) for i in range(4)}
+    prompts["other"] = tokens(300, seed=40)
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, greedy(max_tokens=16))
+    outs = run_to_end(engine)
+    # the four share 43 blocks (688 keys), then their own; the fifth reads all its own keys
+    assert any(len(plan.groups) == 1 and len(plan.groups[0][1]) == 688 for plan in calls)
+    for request_id, prompt in prompts.items():
+        same_tokens_and_logprobs(outs[request_id], run(cold, prompt, greedy(max_tokens=16)))
     assert_no_leaks(engine)
 
 

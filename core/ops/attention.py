@@ -2,7 +2,9 @@
 
 Cache layout per layer: ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``.
 The torch functions here are the CPU path and the reference the CUDA kernels are tested
-against.
+against. On the CPU, where gathering a sequence's keys into one tensor costs about as much as
+attending to them, a decode batch whose sequences share a long prefix reads it once
+(`SharedPrefixPlan`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from heron.core.batch import AttentionMetadata
+from heron.core.batch import AttentionMetadata, SharedPrefixPlan
 from heron.core.ops.rotary import rotary_ref
 
 
@@ -75,6 +77,43 @@ def _padded(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
     return out.index_select(0, place) if padding else out
 
 
+# SDPA that also returns each query's log-sum-exp, which merging two parts of one softmax
+# needs (``(out [B, H, M, D], lse [B, H, M])``; the mask is additive, in q's dtype)
+_sdpa_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _shared_prefix_decode(q, k_cache, v_cache, plan: SharedPrefixPlan, scale: float):
+    """Decode attention as `SharedPrefixPlan` splits it; ``q [B, Hq, D]``."""
+    num_seqs, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[-2]
+    # a KV head's query heads become its rows of queries, so one call reads its keys once
+    q = q.view(num_seqs, kv_heads, heads // kv_heads, head_dim)
+    k = _gather_slots(k_cache, plan.suffix_slots).transpose(1, 2)  # [B, Hkv, Ls, D]
+    v = _gather_slots(v_cache, plan.suffix_slots).transpose(1, 2)
+    out, lse = _sdpa_with_lse(q, k, v, attn_mask=plan.suffix_bias.to(q.dtype), scale=scale)
+    for members, slots in plan.groups:
+        everyone = members is None
+        qm = q if everyone else q.index_select(0, members)
+        # every member's queries as the rows of one sequence over the shared keys
+        qm = qm.transpose(0, 1).reshape(1, kv_heads, -1, head_dim)
+        kp = _gather_slots(k_cache, slots[None]).transpose(1, 2)  # [1, Hkv, P, D]
+        vp = _gather_slots(v_cache, slots[None]).transpose(1, 2)
+        out_p, lse_p = _sdpa_with_lse(qm, kp, vp, scale=scale)
+        out_p = out_p.view(kv_heads, -1, *q.shape[2:]).transpose(0, 1)
+        lse_p = lse_p.view(kv_heads, -1, q.shape[2]).transpose(0, 1)
+        out_s = out if everyone else out.index_select(0, members)
+        lse_s = lse if everyone else lse.index_select(0, members)
+        # the softmax over both parts: each part's output weighted by its share of the sum
+        # of exponentials, exp(lse_s) / (exp(lse_s) + exp(lse_p)) for the suffix
+        share = torch.sigmoid(lse_s - lse_p).unsqueeze(-1).to(out.dtype)
+        merged = torch.lerp(out_p, out_s, share)
+        if everyone:
+            out = merged
+        else:
+            out.index_copy_(0, members, merged)
+    return out.reshape(num_seqs, heads, head_dim)
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of ``q [T, Hq, D]`` over each sequence's cached context.
@@ -83,6 +122,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     sequence with ``query_len`` queries and ``seq_len`` keys sees keys
     ``0 .. seq_len - query_len + j``. Returns ``[T, Hq, D]`` in q's dtype.
     """
+    if not q.is_cuda and meta.shared_prefix_plan is not None:  # decode sharing a long prefix
+        return _shared_prefix_decode(q.to(k_cache.dtype), k_cache, v_cache,
+                                     meta.shared_prefix_plan, scale).to(q.dtype)
     # one padded call when padding costs little (decode rows, speculative drafts, short
     # prompts); a sequence at a time when one long prompt would pad everyone to its length
     num_seqs, num_rows = meta.num_seqs, q.shape[0]
