@@ -1,8 +1,10 @@
 """Where a heron server's time goes under load: py-spy samples, sorted into categories.
 
 Starts heron as `bench.compare` does, loads it with `bench.loadgen` (``--workload``, short
-chats by default; streaming, ``ignore_eos``) at ``--concurrency``, samples every thread with py-spy while the load runs
-(non-blocking; time inside torch's C++ kernels lands on the Python line that called them) and sorts each sample by the innermost heron frame of its stack:
+chats by default; streaming, ``ignore_eos``) at ``--concurrency``, samples every thread
+with py-spy while the load runs (non-blocking; time inside torch's C++ kernels lands on the
+Python line that called them) and sorts each sample by the innermost heron frame of its
+stack:
 
 - model math: the family's forward and ``core/ops`` (matmuls, attention, norms);
 - sampling: ``core/sampler``, penalties, logprobs;

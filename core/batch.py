@@ -88,7 +88,7 @@ class AttentionMetadata:
             if lens[i] > bs:  # a shared block must lie wholly before the query
                 by_first[first].append(i)
         prefix = [0] * len(lens)  # keys each sequence reads in its group's call
-        groups = []
+        groups = []  # (members, shared keys)
         for members in by_first.values():
             if len(members) < 2:
                 continue
@@ -100,8 +100,7 @@ class AttentionMetadata:
                 continue
             for i in members:
                 prefix[i] = shared
-            slots = (rows[0, :shared // bs].long()[:, None] * bs + torch.arange(bs)).reshape(-1)
-            groups.append((members, slots))
+            groups.append((members, shared))
         if not groups:
             return None
         dev = self.seq_lens.device
@@ -112,8 +111,8 @@ class AttentionMetadata:
         at = (starts[:, None] + keys).clamp_(max=self.max_seq_len - 1)
         padding = keys[None, :] >= suffix_lens[:, None]
         return SharedPrefixPlan(
-            groups=[(None if len(m) == len(lens) else torch.tensor(m, device=dev), s.to(dev))
-                    for m, s in groups],
+            groups=[(None if len(m) == len(lens) else torch.tensor(m, device=dev),
+                     slots[m[0], :shared]) for m, shared in groups],
             suffix_slots=slots.gather(1, at),
             suffix_bias=torch.zeros(padding.shape, device=dev).masked_fill_(
                 padding, float("-inf"))[:, None, None, :])

@@ -86,8 +86,9 @@ def _shared_prefix_decode(q, k_cache, v_cache, plan: SharedPrefixPlan, scale: fl
     """Decode attention as `SharedPrefixPlan` splits it; ``q [B, Hq, D]``."""
     num_seqs, heads, head_dim = q.shape
     kv_heads = k_cache.shape[-2]
+    group = heads // kv_heads
     # a KV head's query heads become its rows of queries, so one call reads its keys once
-    q = q.view(num_seqs, kv_heads, heads // kv_heads, head_dim)
+    q = q.view(num_seqs, kv_heads, group, head_dim)
     k = _gather_slots(k_cache, plan.suffix_slots).transpose(1, 2)  # [B, Hkv, Ls, D]
     v = _gather_slots(v_cache, plan.suffix_slots).transpose(1, 2)
     out, lse = _sdpa_with_lse(q, k, v, attn_mask=plan.suffix_bias.to(q.dtype), scale=scale)
@@ -99,8 +100,8 @@ def _shared_prefix_decode(q, k_cache, v_cache, plan: SharedPrefixPlan, scale: fl
         kp = _gather_slots(k_cache, slots[None]).transpose(1, 2)  # [1, Hkv, P, D]
         vp = _gather_slots(v_cache, slots[None]).transpose(1, 2)
         out_p, lse_p = _sdpa_with_lse(qm, kp, vp, scale=scale)
-        out_p = out_p.view(kv_heads, -1, *q.shape[2:]).transpose(0, 1)
-        lse_p = lse_p.view(kv_heads, -1, q.shape[2]).transpose(0, 1)
+        out_p = out_p.view(kv_heads, -1, group, head_dim).transpose(0, 1)
+        lse_p = lse_p.view(kv_heads, -1, group).transpose(0, 1)
         out_s = out if everyone else out.index_select(0, members)
         lse_s = lse if everyone else lse.index_select(0, members)
         # the softmax over both parts: each part's output weighted by its share of the sum
@@ -122,9 +123,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     sequence with ``query_len`` queries and ``seq_len`` keys sees keys
     ``0 .. seq_len - query_len + j``. Returns ``[T, Hq, D]`` in q's dtype.
     """
-    if not q.is_cuda and meta.shared_prefix_plan is not None:  # decode sharing a long prefix
-        return _shared_prefix_decode(q.to(k_cache.dtype), k_cache, v_cache,
-                                     meta.shared_prefix_plan, scale).to(q.dtype)
+    plan = None if q.is_cuda else meta.shared_prefix_plan
+    if plan is not None:  # decode rows sharing a long prefix
+        return _shared_prefix_decode(q.to(k_cache.dtype), k_cache, v_cache, plan,
+                                     scale).to(q.dtype)
     # one padded call when padding costs little (decode rows, speculative drafts, short
     # prompts); a sequence at a time when one long prompt would pad everyone to its length
     num_seqs, num_rows = meta.num_seqs, q.shape[0]
