@@ -62,6 +62,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# KV cache memory each server gets (GiB), so that none holds fewer sequences than another
+KV_CACHE_GB = 4
+# Longest context a peer is told to serve (llama.cpp splits its context among its slots)
+MAX_MODEL_LEN = 2048
+
+
 def heron(model: Path, port: int, threads: int, max_seqs: int) -> System:
     from importlib.metadata import version
 
@@ -69,7 +75,8 @@ def heron(model: Path, port: int, threads: int, max_seqs: int) -> System:
         "heron", "fp32",
         [sys.executable, "-m", "heron.server.cli", "serve", str(model), "--port", str(port),
          "--set", "model.dtype=float32", "--set", f"model.num_threads={threads}",
-         "--set", f"engine.max_num_seqs={max_seqs}", "--set", "logging.level=warning",
+         "--set", f"engine.max_num_seqs={max_seqs}",
+         "--set", f"engine.kv_cache_memory_gb={KV_CACHE_GB}", "--set", "logging.level=warning",
          "--set", "logging.log_requests=false"],
         {"OMP_NUM_THREADS": str(threads)}, version=f"heron {version('heron')}")
 
@@ -78,7 +85,8 @@ def vllm(hf_dir: Path, port: int, threads: int, max_seqs: int) -> System:
     python = PEERS / "vllm/bin/python"
     if not python.exists():
         return System("vllm", "fp32", [], missing="run bench/peers/setup_vllm.sh")
-    env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GB),
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
     preload = [p for p in (Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
                            PEERS / "vllm/lib/libiomp5.so") if p.exists()]
     if preload:
@@ -89,7 +97,7 @@ def vllm(hf_dir: Path, port: int, threads: int, max_seqs: int) -> System:
         "vllm", "fp32",
         [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
          "--port", str(port), "--dtype", "float32", "--max-num-seqs", str(max_seqs),
-         "--max-model-len", "2048"],
+         "--max-model-len", str(MAX_MODEL_LEN)],
         env, version=f"vllm-cpu {out.stdout.strip()}",
         missing="" if out.returncode == 0 else f"vllm does not import: {out.stderr[-300:]}")
 
@@ -105,7 +113,7 @@ def llama_cpp(gguf: Path, precision: str, port: int, threads: int, max_seqs: int
         name, precision,
         [str(server), "-m", str(gguf), "--port", str(port), "-t", str(threads), "-tb",
          str(threads), "--parallel", str(max_seqs), "--cont-batching",
-         "--ctx-size", str(512 * max_seqs), "--no-webui"],
+         "--ctx-size", str(MAX_MODEL_LEN * max_seqs), "--no-webui"],
         {"LD_LIBRARY_PATH": str(server.parent)},
         version=f"llama.cpp {version[0] if version else '?'} "
                 f"(llama-cpp-python {(PEERS / 'llama.cpp/VERSION').read_text().strip()})")

@@ -14,7 +14,8 @@ Workloads: a JSON list or JSONL file of ``{"prompt": str}`` or ``{"messages": [.
 optional ``max_tokens`` and ``follow_ups`` (further user turns, each sent with the whole
 conversation so far, answers included), or a built-in synthetic one: ``short-chat``,
 ``shared-prefix`` (one long system prompt, different questions), ``multi-turn`` (the long
-system prompt, a question and three follow-ups per conversation).
+system prompt, a question and three follow-ups per conversation), ``long-prompt`` (a ~1100-token
+document of its own per request, then a question).
 
     python -m bench.loadgen --url http://127.0.0.1:8000 --workload short-chat \\
         --num-requests 64 --concurrency 8 --max-tokens 128 --ignore-eos --out result.json
@@ -38,7 +39,7 @@ from tqdm import tqdm
 
 from bench.workloads import FOLLOW_UPS, chat_prompts, policy_question, system_prompt
 
-SYNTHETIC = ("short-chat", "shared-prefix", "multi-turn")
+SYNTHETIC = ("short-chat", "shared-prefix", "multi-turn", "long-prompt")
 
 
 @dataclass
@@ -87,6 +88,13 @@ def synthetic(name: str, num_requests: int, max_tokens: int) -> list[Request]:
         return [Request(max_tokens, messages=[system, {"role": "user",
                                                        "content": policy_question(i)}],
                         follow_ups=list(FOLLOW_UPS))
+                for i in range(num_requests)]
+    if name == "long-prompt":
+        # A document of its own per request (~1100 tokens), as in retrieval-augmented chat:
+        # nothing past the first sentence is shared, so every step reads long private contexts.
+        return [Request(max_tokens, messages=[
+                    {"role": "system", "content": system_prompt(64, seed=i)},
+                    {"role": "user", "content": policy_question(i)}])
                 for i in range(num_requests)]
     raise ValueError(f"unknown synthetic workload {name!r}")
 

@@ -32,9 +32,10 @@ def chat_prompts(n: int) -> list[list[dict]]:
     return [[{"role": "user", "content": TASKS[i % 4].format(TOPICS[i % 16])}] for i in range(n)]
 
 
-def system_prompt(num_sentences: int) -> str:
-    """A varied company-policy text (40 sentences: ~700 SmolLM2 tokens)."""
-    rng = random.Random(1234)
+def system_prompt(num_sentences: int, seed: int = 1234) -> str:
+    """A varied company-policy text (40 sentences: ~700 SmolLM2 tokens); each ``seed`` words
+    it differently."""
+    rng = random.Random(seed)
     lines = ["You are the assistant of Northwind Lattice Ltd. Answer staff questions briefly, "
              "following the company policy below."]
     for i in range(num_sentences):
