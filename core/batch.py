@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from heron.core.workspace import Workspace
+
 if TYPE_CHECKING:  # annotations only: keeps the ops importable without the engine's deps
     from heron.core.sequence import Sequence
 
@@ -53,6 +55,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    workspace: Workspace | None = None  # scratch the CPU ops reuse; None: fresh tensors
 
     @property
     def num_seqs(self) -> int:
@@ -73,6 +76,36 @@ class AttentionMetadata:
         blocks = self.block_tables[:, :-(-self.max_seq_len // bs)].long()
         slots = blocks[:, keys // bs] * bs + keys % bs
         return slots, (keys[None, :] < self.seq_lens[:, None])[:, None, None, :]
+
+    @cached_property
+    def whole_blocks_and_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([B * n] int64 block ids, [B, 1, 1, n * block_size] bool key mask)``, ``n`` the
+        most blocks a sequence has: each sequence's first ``n`` blocks (zero-padded) in
+        order, and which of their keys are its own, for attention over whole blocks.
+        Computed once per step."""
+        num_blocks = -(-self.max_seq_len // self.block_size)
+        keys = torch.arange(num_blocks * self.block_size, device=self.seq_lens.device)
+        return (self.block_tables[:, :num_blocks].reshape(-1).long(),
+                (keys[None, :] < self.seq_lens[:, None])[:, None, None, :])
+
+    @cached_property
+    def single_query_part(self) -> tuple[torch.Tensor, AttentionMetadata] | None:
+        """For a step where some sequences have one query and others more (decode rows
+        beside a prompt chunk): ``(their flat rows [n] int64, a decode-only
+        AttentionMetadata of just them)``; None where none or all have one query."""
+        ones = [i for i, n in enumerate(self.query_lens_list) if n == 1]
+        if not ones or len(ones) == self.num_seqs:
+            return None
+        dev = self.seq_lens.device
+        which = torch.tensor(ones, device=dev)
+        rows = self.query_start_loc[which].long()
+        seq_lens = [self.seq_lens_list[i] for i in ones]
+        return rows, AttentionMetadata(
+            slot_mapping=self.slot_mapping[rows],
+            query_start_loc=torch.arange(len(ones) + 1, dtype=torch.int32, device=dev),
+            seq_lens=self.seq_lens[which], block_tables=self.block_tables[which],
+            query_lens_list=[1] * len(ones), seq_lens_list=seq_lens, max_query_len=1,
+            max_seq_len=max(seq_lens), block_size=self.block_size, workspace=self.workspace)
 
     @cached_property
     def shared_prefix_plan(self) -> SharedPrefixPlan | None:

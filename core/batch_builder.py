@@ -8,6 +8,7 @@ from heron.core.batch import AttentionMetadata, Batch
 from heron.core.device import to_device
 from heron.core.inflight import fill_placeholders
 from heron.core.scheduler import ScheduledSeq
+from heron.core.workspace import Workspace
 
 
 class BatchBuilder:
@@ -18,6 +19,7 @@ class BatchBuilder:
         self.block_size = block_size
         self.device = device
         self.logits = logits
+        self.workspace = Workspace()  # every batch's attention reuses it
 
     def build(self, scheduled: list[ScheduledSeq], prompt_logprob_seqs: set[int],
               sampled: torch.Tensor | None = None) -> Batch:
@@ -76,7 +78,8 @@ class BatchBuilder:
             seq_lens=to_device(seq_lens, torch.int32, dev),
             block_tables=to_device(tables, torch.int32, dev),
             query_lens_list=query_lens, seq_lens_list=seq_lens,
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_size=bs)
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_size=bs,
+            workspace=self.workspace)
         ids = to_device(input_ids, torch.int64, dev)
         if sampled is not None and min(input_ids) < 0:
             ids = fill_placeholders(ids, sampled)

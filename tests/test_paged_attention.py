@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from heron.core.ops import paged_attention_ref
+from heron.core.workspace import Workspace
 from tests.gpu.cases import make_paged_case
 
 
@@ -30,22 +31,52 @@ def written_out(case) -> torch.Tensor:
     return torch.cat(out)
 
 
+def nan_free(case):
+    # unowned slots hold NaN; the engine's hold zeros or stale finite K/V
+    case.k_cache, case.v_cache = case.k_cache.nan_to_num(0.0), case.v_cache.nan_to_num(0.0)
+    return case
+
+
 @pytest.mark.parametrize("query_lens, seq_lens", [
     ([1, 1, 1], [5, 17, 9]),            # decode
     ([1, 4, 3, 1, 2], [7, 20, 3, 1, 33]),  # decode rows with drafts and short prompts: padded
     ([2, 2, 2, 2], [2, 2, 2, 2]),        # short prompts of one length: nothing to pad
     ([4, 4, 4], [10, 21, 6]),            # decode rows with as many drafts: nothing to pad
-    ([90, 1, 1], [90, 5, 9]),            # one long prompt: a sequence at a time
+    ([90, 1, 1], [90, 5, 9]),            # one long prompt: a sequence at a time, the
+    ([1, 30, 1, 1], [40, 70, 1, 13]),    # decode rows beside it (or a chunk) in one call
+    ([60], [60]),                        # one prompt alone
+    ([25], [61]),                        # one chunk after its cached start
 ])
-def test_paged_attention_matches_attention_written_out(query_lens, seq_lens):
-    case = make_paged_case(query_lens, seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=16,
-                           block_size=4, dtype=torch.float32, device="cpu", seed=3)
-    # unowned slots hold NaN; the engine's hold zeros or stale finite K/V
-    k, v = case.k_cache.nan_to_num(0.0), case.v_cache.nan_to_num(0.0)
-    case.k_cache, case.v_cache = k, v
-    out = paged_attention_ref(case.q, k, v, case.meta, case.scale)
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [
+    (4, 2),   # decode: the block-diagonal matmul
+    (12, 6),  # decode: SDPA over the KV heads
+    (5, 5),
+])
+def test_paged_attention_matches_attention_written_out(query_lens, seq_lens, num_q_heads,
+                                                       num_kv_heads):
+    case = nan_free(make_paged_case(query_lens, seq_lens, num_q_heads=num_q_heads,
+                                    num_kv_heads=num_kv_heads, head_dim=16, block_size=4,
+                                    dtype=torch.float32, device="cpu", seed=3))
+    out = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     assert out.dtype == case.q.dtype and out.shape == case.q.shape
     torch.testing.assert_close(out.double(), written_out(case), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_steps_sharing_a_workspace(dtype):
+    """Decode steps of several sizes, and a step mixing decode rows with a prompt, gather
+    into one workspace, whose buffers hold the previous step's keys."""
+    workspace = Workspace()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for seed, (query_lens, seq_lens) in enumerate([
+            ([1] * 6, [40, 3, 77, 12, 64, 5]), ([1, 1], [9, 30]), ([1] * 4, [81, 2, 17, 33]),
+            ([1, 20, 1], [50, 20, 8])]):
+        case = nan_free(make_paged_case(query_lens, seq_lens, num_q_heads=6, num_kv_heads=2,
+                                        head_dim=16, block_size=4, dtype=dtype, device="cpu",
+                                        seed=seed))
+        case.meta.workspace = workspace
+        out = paged_attention_ref(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+        torch.testing.assert_close(out.double(), written_out(case), rtol=tol, atol=tol)
 
 
 def share_blocks(case, members, num_blocks):
@@ -69,7 +100,7 @@ def test_decode_reads_a_shared_prefix_once(seq_lens, groups, dtype, monkeypatch)
                            head_dim=16, block_size=4, dtype=dtype, device="cpu", seed=5)
     for members, num_blocks in groups:
         share_blocks(case, members, num_blocks)
-    case.k_cache, case.v_cache = case.k_cache.nan_to_num(0.0), case.v_cache.nan_to_num(0.0)
+    nan_free(case)
     plan = case.meta.shared_prefix_plan
     assert plan is not None and len(plan.groups) == len(groups)
     expected = [min(n, min((seq_lens[i] - 1) // 4 for i in m)) * 4 for m, n in groups]
