@@ -73,7 +73,8 @@ def _engine_context(given: Engine | None):
         app[CREATED_AT] = int(time.time())
         async_engine.start()
         log.info("engine started", model=app[MODEL_NAME], kv_blocks=engine.num_kv_blocks,
-                 max_model_len=engine.max_model_len, device=str(engine.device),
+                 kv_tokens=engine.limits.kv_capacity, max_model_len=engine.max_model_len,
+                 device=str(engine.device),
                  adapters=sorted(async_engine.adapters))
         if app[MODEL_NAME] in async_engine.adapters:
             log.warning("a LoRA adapter has the base model's name; that name serves the base "

@@ -1,7 +1,7 @@
 """The CPU paged attention (`paged_attention_ref`) against attention written out in float64
-over each sequence's own contiguous K/V, on both of its paths: every sequence's queries padded
-into one call (decode rows, drafts, short prompts), and a sequence at a time (a long prompt
-beside short ones)."""
+over each sequence's own contiguous K/V, on each of its paths: decode rows in one call (a
+block-diagonal matmul or SDPA), every sequence's queries padded into one call (drafts, short
+prompts), and a sequence at a time (a long prompt, the decode rows beside it in one call)."""
 
 from __future__ import annotations
 
@@ -43,17 +43,21 @@ def nan_free(case):
     ([2, 2, 2, 2], [2, 2, 2, 2]),        # short prompts of one length: nothing to pad
     ([4, 4, 4], [10, 21, 6]),            # decode rows with as many drafts: nothing to pad
     ([90, 1, 1], [90, 5, 9]),            # one long prompt: a sequence at a time, the
-    ([1, 30, 1, 1], [40, 70, 1, 13]),    # decode rows beside it (or a chunk) in one call
+    ([1, 80, 1, 1], [40, 130, 1, 13]),   # decode rows beside it (or a chunk) in one call
     ([60], [60]),                        # one prompt alone
     ([25], [61]),                        # one chunk after its cached start
 ])
-@pytest.mark.parametrize("num_q_heads, num_kv_heads", [
-    (4, 2),   # decode: the block-diagonal matmul
-    (12, 6),  # decode: SDPA over the KV heads
-    (5, 5),
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, block_diagonal", [
+    (4, 2, True),    # decode: the block-diagonal matmul (batches of many keys)
+    (4, 2, False),   # decode: SDPA
+    (12, 6, True),   # decode: SDPA (too many KV heads for the block-diagonal matmul)
+    (5, 5, False),
 ])
 def test_paged_attention_matches_attention_written_out(query_lens, seq_lens, num_q_heads,
-                                                       num_kv_heads):
+                                                       num_kv_heads, block_diagonal,
+                                                       monkeypatch):
+    if block_diagonal:
+        monkeypatch.setattr("heron.core.ops.attention.BLOCK_DIAGONAL_MIN_KEYS", 0)
     case = nan_free(make_paged_case(query_lens, seq_lens, num_q_heads=num_q_heads,
                                     num_kv_heads=num_kv_heads, head_dim=16, block_size=4,
                                     dtype=torch.float32, device="cpu", seed=3))
@@ -63,14 +67,15 @@ def test_paged_attention_matches_attention_written_out(query_lens, seq_lens, num
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_steps_sharing_a_workspace(dtype):
+def test_steps_sharing_a_workspace(dtype, monkeypatch):
     """Decode steps of several sizes, and a step mixing decode rows with a prompt, gather
     into one workspace, whose buffers hold the previous step's keys."""
+    monkeypatch.setattr("heron.core.ops.attention.BLOCK_DIAGONAL_MIN_KEYS", 0)
     workspace = Workspace()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for seed, (query_lens, seq_lens) in enumerate([
             ([1] * 6, [40, 3, 77, 12, 64, 5]), ([1, 1], [9, 30]), ([1] * 4, [81, 2, 17, 33]),
-            ([1, 20, 1], [50, 20, 8])]):
+            ([1, 90, 1], [50, 90, 8])]):
         case = nan_free(make_paged_case(query_lens, seq_lens, num_q_heads=6, num_kv_heads=2,
                                         head_dim=16, block_size=4, dtype=dtype, device="cpu",
                                         seed=seed))
@@ -123,3 +128,19 @@ def test_a_shared_prefix_is_split_out_only_where_it_pays():
     assert plan is not None and len(plan.groups[0][1]) == 128
     assert case(1, 1, 8).meta.shared_prefix_plan is None  # nobody to share with
     assert case(2, 8, 8).meta.shared_prefix_plan is None  # drafts: the padded path
+
+
+def test_single_query_part_names_the_decode_rows_beside_a_chunk():
+    def meta(query_lens, seq_lens):
+        return make_paged_case(query_lens, seq_lens, num_q_heads=4, num_kv_heads=2,
+                               head_dim=16, block_size=4, dtype=torch.float32,
+                               device="cpu").meta
+
+    full = meta([1, 80, 1, 1], [40, 130, 1, 13])
+    rows, part = full.single_query_part
+    assert rows.tolist() == [0, 81, 82] and part.is_decode_only
+    assert part.seq_lens_list == [40, 1, 13] and part.max_seq_len == 40
+    assert part.block_tables.tolist() == full.block_tables[[0, 2, 3]].tolist()
+    assert part.slot_mapping.tolist() == full.slot_mapping[[0, 81, 82]].tolist()
+    assert meta([1, 1], [5, 9]).single_query_part is None  # all decode: one call anyway
+    assert meta([3, 2], [5, 9]).single_query_part is None

@@ -3,8 +3,9 @@
 Cache layout per layer: ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``.
 The torch functions here are the CPU path and the reference the CUDA kernels are tested
 against. On the CPU, where gathering a sequence's keys into one tensor costs about as much as
-attending to them, a decode batch whose sequences share a long prefix reads it once
-(`SharedPrefixPlan`).
+attending to them, decode rows gather whole blocks into the step's `Workspace`, a step's decode
+rows beside a prompt chunk attend in one call, and a decode batch whose sequences share a long
+prefix reads it once (`SharedPrefixPlan`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from heron.core.batch import AttentionMetadata, SharedPrefixPlan
-from heron.core.workspace import Workspace
 from heron.core.ops.rotary import rotary_ref
+from heron.core.workspace import Workspace
 
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -41,10 +42,12 @@ def rotary_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 # Decode attention as one block-diagonal matmul per sequence does KV-heads times the
-# multiply-adds of the attention itself; with up to this many KV heads that still costs less
-# than SDPA's per-head work on the CPU (measured: 17% faster decode steps for 32 sequences of
-# 1.2k tokens with 3 KV heads, even with 5, slower with 8)
+# multiply-adds of the attention itself, and a few more small ops; with few KV heads and a
+# batch of many keys that costs less than SDPA's per-head work on the CPU. Measured with 3 KV
+# heads and 1.2k-token contexts: decode steps 15% faster for 32 sequences, even for 16,
+# 8% slower for 1 to 8; with 5 KV heads about even, with 8 1.6x slower
 BLOCK_DIAGONAL_MAX_KV_HEADS = 4
+BLOCK_DIAGONAL_MIN_KEYS = 16384  # sequences x padded context length
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
@@ -85,7 +88,8 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
     shape = (num_seqs, keep.shape[-1], kv_heads * head_dim)
     k = _gather_blocks(k_cache, blocks, meta.workspace, "keys").view(shape)
     v = _gather_blocks(v_cache, blocks, meta.workspace, "values").view(shape)
-    if kv_heads > BLOCK_DIAGONAL_MAX_KV_HEADS or q.dtype != torch.float32:
+    if (kv_heads > BLOCK_DIAGONAL_MAX_KV_HEADS or num_seqs * shape[1] < BLOCK_DIAGONAL_MIN_KEYS
+            or q.dtype != torch.float32):
         k, v = (t.view(*shape[:2], kv_heads, head_dim).transpose(1, 2) for t in (k, v))
         return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=keep,
                                               scale=scale, enable_gqa=True).squeeze(2)
