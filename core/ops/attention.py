@@ -50,15 +50,6 @@ BLOCK_DIAGONAL_MAX_KV_HEADS = 4
 BLOCK_DIAGONAL_MIN_KEYS = 16384  # sequences x padded context length
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
-    """Rows ``[:length]`` of the sequence whose block ids are ``blocks``: ``[.., length, H, D]``."""
-    # index_select over whole-block rows is a plain row copy, several times faster on the
-    # CPU than advanced indexing (`cache[blocks]`), which goes element by element.
-    rows = cache.reshape(cache.shape[0], -1).index_select(0, blocks.reshape(-1))
-    g = rows.view(*blocks.shape[:-1], -1, *cache.shape[-2:])  # [..., nb * bs, H, D]
-    return g[..., :length, :, :]
-
-
 def _gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """The cache rows at flat ``slots [B, L]``: ``[B, L, H, D]``."""
     rows = cache.reshape(-1, cache.shape[-2] * cache.shape[-1]).index_select(0, slots.reshape(-1))
@@ -67,12 +58,14 @@ def _gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, workspace: Workspace | None,
                    name: str) -> torch.Tensor:
-    """The cache's blocks ``blocks [n]`` as rows ``[n, block_size * H * D]``, in ``name``'s
-    buffer of ``workspace`` where there is one."""
+    """The keys (or values) of the cache's blocks ``blocks [n]``, in order: ``[n * block_size,
+    H, D]``, in ``name``'s buffer of ``workspace`` where there is one."""
+    # index_select over whole-block rows is a plain row copy, several times faster on the
+    # CPU than advanced indexing (`cache[blocks]`), which goes element by element
     rows = cache.reshape(cache.shape[0], -1)
     out = None if workspace is None else workspace.take(name, (blocks.numel(), rows.shape[1]),
                                                          cache)
-    return torch.index_select(rows, 0, blocks, out=out)
+    return torch.index_select(rows, 0, blocks, out=out).view(-1, *cache.shape[-2:])
 
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
@@ -82,8 +75,8 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         return _shared_prefix_decode(q, k_cache, v_cache, plan, scale)
     num_seqs, heads, head_dim = q.shape
     kv_heads = k_cache.shape[-2]
-    # whole blocks, not token rows: block-sized rows copy several times faster, and the keys
-    # past a sequence's length (its last block's tail, padding blocks) are masked
+    # whole blocks: the keys past a sequence's length (its last block's tail, padding
+    # blocks) are masked
     blocks, keep = meta.whole_blocks_and_mask
     shape = (num_seqs, keep.shape[-1], kv_heads * head_dim)
     k = _gather_blocks(k_cache, blocks, meta.workspace, "keys").view(shape)
@@ -194,8 +187,9 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         blocks = meta.block_tables[i, :num_blocks].long()
         # [1, H, L, D]: with no batch dimension SDPA takes its unfused path on the CPU,
         # an order of magnitude slower on a long prompt
-        k = _gather(k_cache, blocks, seq_len).transpose(0, 1)[None]
-        v = _gather(v_cache, blocks, seq_len).transpose(0, 1)[None]
+        k = _gather_blocks(k_cache, blocks, meta.workspace, "keys")[:seq_len]
+        v = _gather_blocks(v_cache, blocks, meta.workspace, "values")[:seq_len]
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         qi = q[start:start + q_len].transpose(0, 1)[None].to(k.dtype)
         if q_len == seq_len:
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale,
