@@ -66,16 +66,15 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
     @cached_property
-    def padded_slots_and_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``([B, max_seq_len] int64 flat cache slots, [B, 1, 1, max_seq_len] bool key
-        mask)``: key ``j`` of sequence ``i`` sits at slot ``[i, j]`` where the mask is True
-        (past a sequence's length the slot is some other one's, masked), for attention over
-        contexts padded to one length. Computed once per step, shared by every layer."""
+    def padded_slots(self) -> torch.Tensor:
+        """``[B, max_seq_len]`` int64 flat cache slots: key ``j`` of sequence ``i`` sits at slot
+        ``[i, j]`` (past a sequence's length the slot is some other one's, for its reader to
+        mask), for attention over contexts padded to one length. Computed once per step,
+        shared by every layer."""
         dev, bs = self.seq_lens.device, self.block_size
         keys = torch.arange(self.max_seq_len, device=dev)
         blocks = self.block_tables[:, :-(-self.max_seq_len // bs)].long()
-        slots = blocks[:, keys // bs] * bs + keys % bs
-        return slots, (keys[None, :] < self.seq_lens[:, None])[:, None, None, :]
+        return blocks[:, keys // bs] * bs + keys % bs
 
     @cached_property
     def whole_blocks_and_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +136,7 @@ class AttentionMetadata:
         if not groups:
             return None
         dev = self.seq_lens.device
-        slots, _ = self.padded_slots_and_mask
+        slots = self.padded_slots
         starts = torch.tensor(prefix, device=dev)
         suffix_lens = self.seq_lens - starts
         keys = torch.arange(int(suffix_lens.max()), device=dev)

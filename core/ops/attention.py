@@ -102,7 +102,7 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
 def _padded(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
     """Every sequence's queries and context padded to the longest, one SDPA call."""
     # rows, not whole blocks: a short context's last block is mostly not its own yet
-    slots, _ = meta.padded_slots_and_mask
+    slots = meta.padded_slots
     k = _gather_slots(k_cache, slots).transpose(1, 2)  # [B, Hkv, L, D]
     v = _gather_slots(v_cache, slots).transpose(1, 2)
     q = q.to(k.dtype)
