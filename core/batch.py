@@ -56,6 +56,7 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
     workspace: Workspace | None = None  # scratch the CPU ops reuse; None: fresh tensors
+    cpu_kernels: bool = False  # CPU decode attention by the compiled kernel where it applies
 
     @property
     def num_seqs(self) -> int:
@@ -104,7 +105,8 @@ class AttentionMetadata:
             query_start_loc=torch.arange(len(ones) + 1, dtype=torch.int32, device=dev),
             seq_lens=self.seq_lens[which], block_tables=self.block_tables[which],
             query_lens_list=[1] * len(ones), seq_lens_list=seq_lens, max_query_len=1,
-            max_seq_len=max(seq_lens), block_size=self.block_size, workspace=self.workspace)
+            max_seq_len=max(seq_lens), block_size=self.block_size, workspace=self.workspace,
+            cpu_kernels=self.cpu_kernels)
 
     @cached_property
     def shared_prefix_plan(self) -> SharedPrefixPlan | None:

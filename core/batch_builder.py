@@ -14,11 +14,14 @@ from heron.core.workspace import Workspace
 class BatchBuilder:
     """Builds host tensors for one step and moves them to the model's device in one go."""
 
-    def __init__(self, block_size: int, device: torch.device, logits: bool = True) -> None:
-        """``logits`` False: batches name no rows for logits (an embedding model's)."""
+    def __init__(self, block_size: int, device: torch.device, logits: bool = True,
+                 cpu_kernels: bool = False) -> None:
+        """``logits`` False: batches name no rows for logits (an embedding model's).
+        ``cpu_kernels``: the batches' attention may use the compiled CPU kernels."""
         self.block_size = block_size
         self.device = device
         self.logits = logits
+        self.cpu_kernels = cpu_kernels
         self.workspace = Workspace()  # every batch's attention reuses it
 
     def build(self, scheduled: list[ScheduledSeq], prompt_logprob_seqs: set[int],
@@ -79,7 +82,7 @@ class BatchBuilder:
             block_tables=to_device(tables, torch.int32, dev),
             query_lens_list=query_lens, seq_lens_list=seq_lens,
             max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_size=bs,
-            workspace=self.workspace)
+            workspace=self.workspace, cpu_kernels=self.cpu_kernels)
         ids = to_device(input_ids, torch.int64, dev)
         if sampled is not None and min(input_ids) < 0:
             ids = fill_placeholders(ids, sampled)

@@ -74,7 +74,7 @@ def _engine_context(given: Engine | None):
         async_engine.start()
         log.info("engine started", model=app[MODEL_NAME], kv_blocks=engine.num_kv_blocks,
                  kv_tokens=engine.limits.kv_capacity, max_model_len=engine.max_model_len,
-                 device=str(engine.device),
+                 device=str(engine.device), cpu_kernels=engine.cpu_kernels,
                  adapters=sorted(async_engine.adapters))
         if app[MODEL_NAME] in async_engine.adapters:
             log.warning("a LoRA adapter has the base model's name; that name serves the base "

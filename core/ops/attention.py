@@ -1,18 +1,25 @@
 """Paged attention over the engine's KV blocks: KV write, then causal attention.
 
 Cache layout per layer: ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``.
-The torch functions here are the CPU path and the reference the CUDA kernels are tested
-against. On the CPU, where gathering a sequence's keys into one tensor costs about as much as
-attending to them, decode rows gather whole blocks into the step's `Workspace`, a step's decode
-rows beside a prompt chunk attend in one call, and a decode batch whose sequences share a long
-prefix reads it once (`SharedPrefixPlan`).
+The torch functions here are the CPU path and the reference the CUDA kernels (and the CPU
+decode kernel) are tested against. On the CPU, where gathering a sequence's keys into one
+tensor costs about as much as attending to them, decode rows go to the compiled kernel of
+``kernels/decode_attention_cpu.cpp``, which reads the blocks in place, where the metadata
+asks for it and it applies (float32, head size a multiple of 16); otherwise they gather
+whole blocks into the step's `Workspace`. A step's decode rows beside a prompt chunk attend
+in one call, and a decode batch whose sequences share a long prefix reads it once
+(`SharedPrefixPlan`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
 import torch.nn.functional as F
 
+from heron.core import cpu_kernels
 from heron.core.batch import AttentionMetadata, SharedPrefixPlan
 from heron.core.ops.rotary import rotary_ref
 from heron.core.workspace import Workspace
@@ -70,6 +77,10 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, workspace: Workspa
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
     """Attention of one query per sequence, ``q [B, Hq, D]`` in the cache's dtype."""
+    if meta.cpu_kernels:  # faster than the torch paths, a shared prefix's included
+        out = _compiled_decode(q, k_cache, v_cache, meta, scale)
+        if out is not None:
+            return out
     plan = None if q.is_cuda else meta.shared_prefix_plan
     if plan is not None:  # sequences sharing a long prefix read it once
         return _shared_prefix_decode(q, k_cache, v_cache, plan, scale)
@@ -97,6 +108,53 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
     out = torch.bmm(weights, v).view(num_seqs, kv_heads, group, kv_heads, head_dim)
     # each query head's output is its own KV head's block: the diagonal
     return out.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(num_seqs, heads, head_dim)
+
+
+# A task of the compiled decode kernel covers up to this many keys of one sequence: fewer
+# where there are few sequences, so every thread gets several tasks
+PART_KEYS_MIN, PART_KEYS_MAX = 256, 2048
+
+
+def _compiled_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    """`_decode` by the compiled CPU kernel; None where it does not apply or is not built."""
+    num_seqs, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[-2]
+    if (q.dtype != torch.float32 or k_cache.dtype != torch.float32 or head_dim % 16
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        return None
+    kernel = _decode_kernel(head_dim)
+    if kernel is None:
+        return None
+    tables, lens = meta.block_tables, meta.seq_lens.to(torch.int32).contiguous()
+    if tables.dtype != torch.int32 or tables.stride(-1) != 1:
+        return None
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    tasks = 4 * torch.get_num_threads()
+    part_keys = min(PART_KEYS_MAX, max(PART_KEYS_MIN, -(-sum(meta.seq_lens_list) // tasks)))
+    failed = kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                    tables.stride(0), lens.data_ptr(), num_seqs, kv_heads, heads // kv_heads,
+                    meta.block_size, scale, part_keys, out.data_ptr())
+    return None if failed else out
+
+
+def compiled_decode_applies(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether decode attention over a CPU cache of ``dtype`` and ``head_dim`` can run the
+    compiled kernel (which this builds, if not yet built)."""
+    return dtype == torch.float32 and head_dim % 16 == 0 and _decode_kernel(head_dim) is not None
+
+
+@functools.cache
+def _decode_kernel(head_dim: int):
+    """The compiled decode kernel for ``head_dim``, its argument types set; None if not built."""
+    lib = cpu_kernels.load("decode_attention_cpu.cpp", {"HEAD_DIM": head_dim})
+    if lib is None:
+        return None
+    fn = lib.heron_decode_attention
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    fn.argtypes = [p, p, p, p, i64, p, i32, i32, i32, i32, ctypes.c_float, i32, p]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def _padded(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
