@@ -81,7 +81,8 @@ def test_decoding_beside_requests_with_the_same_prefix_reads_it_once(model_dir, 
     calls = []
     monkeypatch.setattr(attention, "_shared_prefix_decode",
                         lambda *a: calls.append(a[3]) or split(*a))
-    engine = engine_for(model_dir)
+    # the torch ops' decode (the compiled CPU kernel reads every context whole, faster)
+    engine = engine_for(model_dir, **{"engine.cpu_kernels": False})
     run(engine, PREFIX + tokens(5, seed=20))  # caches the prefix
     prompts = {f"p{i}": PREFIX[:700 + 100 * i] + tokens(10 + i, seed=30 + i) for i in range(4)}
     prompts["other"] = tokens(300, seed=40)
