@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -40,12 +41,13 @@ def cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "heron" / "cpu-kernels"
 
 
-def compiler() -> str | None:
-    """``$CXX`` if set, else the first of c++, g++, clang++ on the PATH."""
+def compiler() -> list[str] | None:
+    """``$CXX`` if set (split as a shell would: ``ccache g++``), else the first of c++, g++,
+    clang++ on the PATH."""
     env = os.environ.get("CXX")
     if env:
-        return env
-    return next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+        return shlex.split(env)
+    return next(([c] for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
 
 
 def load(source: str, defines: Mapping[str, Any] | None = None) -> ctypes.CDLL | None:
@@ -66,10 +68,10 @@ def _build(path: Path, defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL | No
         return None
     flags = FLAGS + tuple(f"-D{k}={v}" for k, v in defines)
     try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
+        version = subprocess.run([*cxx, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
         digest = hashlib.sha256("\0".join(
-            (path.read_text(), cxx, version, _cpu_id(), *flags)).encode()).hexdigest()[:24]
+            (path.read_text(), *cxx, version, _cpu_id(), *flags)).encode()).hexdigest()[:24]
         target = cache_dir() / f"{path.stem}-{digest}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -80,13 +82,13 @@ def _build(path: Path, defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL | No
         return None
 
 
-def _compile(cxx: str, path: Path, flags: tuple[str, ...], target: Path) -> None:
+def _compile(cxx: list[str], path: Path, flags: tuple[str, ...], target: Path) -> None:
     """Build ``target``, with OpenMP if the compiler has it, else without."""
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         for extra in (("-fopenmp",), ()):
-            done = subprocess.run([cxx, *flags, *extra, str(path), "-o", tmp],
+            done = subprocess.run([*cxx, *flags, *extra, str(path), "-o", tmp],
                                   capture_output=True, text=True, timeout=300)
             if done.returncode == 0:
                 os.replace(tmp, target)

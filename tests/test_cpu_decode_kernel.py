@@ -135,12 +135,29 @@ def test_the_engine_path_takes_it_for_a_shared_prefix_too(monkeypatch):
     torch.testing.assert_close(out.double(), written_out(case), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("seq_lens", [[5, 17, 9], [700, 1]])
+def test_a_bfloat16_cache(seq_lens):
+    """Keys and values widen to float32 as they load; the output rounds to bfloat16 once."""
+    case = make_paged_case([1] * len(seq_lens), seq_lens, num_q_heads=9, num_kv_heads=3,
+                           head_dim=64, block_size=16, dtype=torch.bfloat16, device="cpu",
+                           seed=8)
+    case.meta.cpu_kernels = True
+    out = compiled(case)
+    assert out.dtype == torch.bfloat16
+    exact = written_out(case)  # in float64 from the same bfloat16 values
+    torch.testing.assert_close(out.double(), exact, rtol=8e-3, atol=1e-3)
+    # rounding once: as close as the exact result rounded to bfloat16, give or take an ulp
+    rounding = (exact.bfloat16().double() - exact).abs().max()
+    assert (out.double() - exact).abs().max() <= 2 * rounding
+
+
 def test_where_it_does_not_apply_the_torch_ops_serve():
     assert attention.compiled_decode_applies(torch.float32, 64)
-    assert not attention.compiled_decode_applies(torch.bfloat16, 64)
+    assert attention.compiled_decode_applies(torch.bfloat16, 64)
+    assert not attention.compiled_decode_applies(torch.float16, 64)
     assert not attention.compiled_decode_applies(torch.float32, 24)  # not whole vectors
     case = make_paged_case([1, 1], [9, 30], num_q_heads=4, num_kv_heads=2, head_dim=32,
-                           block_size=4, dtype=torch.bfloat16, device="cpu")
+                           block_size=4, dtype=torch.float16, device="cpu")
     case.meta.cpu_kernels = True
     assert attention._compiled_decode(case.q, case.k_cache, case.v_cache, case.meta,
                                       case.scale) is None

@@ -1,13 +1,13 @@
 """Paged attention over the engine's KV blocks: KV write, then causal attention.
 
 Cache layout per layer: ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``.
-The torch functions here are the CPU path and the reference the CUDA kernels (and the CPU
-decode kernel) are tested against. On the CPU, where gathering a sequence's keys into one
-tensor costs about as much as attending to them, decode rows go to the compiled kernel of
-``kernels/decode_attention_cpu.cpp``, which reads the blocks in place, where the metadata
-asks for it and it applies (float32, head size a multiple of 16); otherwise they gather
-whole blocks into the step's `Workspace`. A step's decode rows beside a prompt chunk attend
-in one call, and a decode batch whose sequences share a long prefix reads it once
+The torch functions here are the CPU path and the reference the CUDA kernels and the CPU
+decode kernel are tested against. On the CPU, decode rows go to that kernel
+(``kernels/decode_attention_cpu.cpp``, which reads the blocks in place) where the metadata
+asks for it and it applies (float32 or bfloat16 caches, head sizes a multiple of 16); the
+torch ops gather whole blocks into the step's `Workspace` first, which costs about as much
+as attending to them. A step's decode rows beside a prompt chunk attend in one call, and
+with the torch ops a decode batch whose sequences share a long prefix reads it once
 (`SharedPrefixPlan`).
 """
 
@@ -118,36 +118,36 @@ PART_KEYS_MIN, PART_KEYS_MAX = 256, 2048
 def _compiled_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
     """`_decode` by the compiled CPU kernel; None where it does not apply or is not built."""
     num_seqs, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[-2]
-    if (q.dtype != torch.float32 or k_cache.dtype != torch.float32 or head_dim % 16
-            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
-        return None
-    kernel = _decode_kernel(head_dim)
-    if kernel is None:
-        return None
     tables, lens = meta.block_tables, meta.seq_lens.to(torch.int32).contiguous()
-    if tables.dtype != torch.int32 or tables.stride(-1) != 1:
+    if not (q.device.type == "cpu" and compiled_decode_applies(k_cache.dtype, head_dim)
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and tables.dtype == torch.int32 and tables.stride(-1) == 1):
         return None
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    query = q.float().contiguous()
+    out = torch.empty_like(query)
+    kv_heads = k_cache.shape[-2]
     tasks = 4 * torch.get_num_threads()
     part_keys = min(PART_KEYS_MAX, max(PART_KEYS_MIN, -(-sum(meta.seq_lens_list) // tasks)))
-    failed = kernel(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                    tables.stride(0), lens.data_ptr(), num_seqs, kv_heads, heads // kv_heads,
-                    meta.block_size, scale, part_keys, out.data_ptr())
-    return None if failed else out
+    failed = _decode_kernel(head_dim, k_cache.dtype)(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        tables.stride(0), lens.data_ptr(), num_seqs, kv_heads, heads // kv_heads,
+        meta.block_size, scale, part_keys, out.data_ptr())
+    return None if failed else out.to(q.dtype)
 
 
 def compiled_decode_applies(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether decode attention over a CPU cache of ``dtype`` and ``head_dim`` can run the
     compiled kernel (which this builds, if not yet built)."""
-    return dtype == torch.float32 and head_dim % 16 == 0 and _decode_kernel(head_dim) is not None
+    return (dtype in (torch.float32, torch.bfloat16) and head_dim % 16 == 0
+            and _decode_kernel(head_dim, dtype) is not None)
 
 
 @functools.cache
-def _decode_kernel(head_dim: int):
-    """The compiled decode kernel for ``head_dim``, its argument types set; None if not built."""
-    lib = cpu_kernels.load("decode_attention_cpu.cpp", {"HEAD_DIM": head_dim})
+def _decode_kernel(head_dim: int, dtype: torch.dtype):
+    """The compiled decode kernel for ``head_dim`` and a cache of ``dtype``, its argument
+    types set; None if not built."""
+    defines = {"HEAD_DIM": head_dim, **({"CACHE_BF16": 1} if dtype == torch.bfloat16 else {})}
+    lib = cpu_kernels.load("decode_attention_cpu.cpp", defines)
     if lib is None:
         return None
     fn = lib.heron_decode_attention

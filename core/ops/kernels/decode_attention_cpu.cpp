@@ -8,7 +8,9 @@
 //
 // Layout: q, out [B, H * G, D] (query heads grouped by KV head); k_cache, v_cache
 // [num_blocks, block_size, H, D]; block_tables [B, table_stride] int32; seq_lens [B] int32.
-// All float32, contiguous. D is HEAD_DIM (a multiple of 16), fixed at compile time.
+// All contiguous; q and out float32, the caches float32, or bfloat16 with CACHE_BF16
+// defined (widened to float32 as they load: all arithmetic is float32). D is HEAD_DIM (a
+// multiple of 16), fixed at compile time.
 //
 // A task is one sequence's keys [k0, k1): a two-pass softmax over them (scores, then
 // weighted values), leaving its max logit, sum of exponentials and unnormalized output per
@@ -43,6 +45,20 @@ typedef float v4 __attribute__((vector_size(16)));
 
 inline v16 load(const float *p) { return *reinterpret_cast<const v16u *>(p); }
 inline void store(float *p, v16 x) { *reinterpret_cast<v16u *>(p) = x; }
+
+#ifdef CACHE_BF16
+typedef uint16_t cache_t;  // bfloat16: a float32's upper half
+typedef uint16_t v16h __attribute__((vector_size(32), aligned(2), may_alias));
+inline v16 load_cache(const cache_t *p)
+{
+    v16i wide = __builtin_convertvector(*reinterpret_cast<const v16h *>(p), v16i) << 16;
+    return (v16)wide;
+}
+#else
+typedef float cache_t;
+inline v16 load_cache(const cache_t *p) { return load(p); }
+#endif
+constexpr int LINE = 64 / sizeof(cache_t);  // cache elements a cache line holds
 
 inline float hsum(v16 x)
 {
@@ -80,21 +96,21 @@ struct Sequence {
 
 // Keys [k0, k1) of one sequence. s: Hq rows of `stride` floats of scratch. Writes acc
 // [Hq, D] (unnormalized), m [Hq] (max logit), l [Hq] (sum of exponentials).
-void attend_part(Sequence seq, const float *k_cache, const float *v_cache, int k0, int k1,
+void attend_part(Sequence seq, const cache_t *k_cache, const cache_t *v_cache, int k0, int k1,
                  int H, int G, int bs, float scale, float *s, int stride, float *acc,
                  float *m, float *l)
 {
     const int row = H * D, Hq = H * G;
     for (int t = k0; t < k1;) {  // scores, a block at a time
         const int off = t % bs, end = t - off + bs < k1 ? t - off + bs : k1;
-        const float *k = k_cache + ((int64_t)seq.table[t / bs] * bs + off) * row;
-        const float *next = end < k1 ? k_cache + (int64_t)seq.table[t / bs + 1] * bs * row
-                                     : k;
+        const cache_t *k = k_cache + ((int64_t)seq.table[t / bs] * bs + off) * row;
+        const cache_t *next = end < k1 ? k_cache + (int64_t)seq.table[t / bs + 1] * bs * row
+                                       : k;
         for (int j = t; j < end; ++j, k += row, next += row) {
-            for (int c = 0; c < row; c += 16) __builtin_prefetch(next + c);
+            for (int c = 0; c < row; c += LINE) __builtin_prefetch(next + c);
             for (int h = 0; h < H; ++h) {
                 v16 kv[NV];
-                for (int c = 0; c < NV; ++c) kv[c] = load(k + h * D + c * 16);
+                for (int c = 0; c < NV; ++c) kv[c] = load_cache(k + h * D + c * 16);
                 for (int g = 0; g < G; ++g) {
                     const float *qh = seq.q + (h * G + g) * D;
                     v16 dot = load(qh) * kv[0];
@@ -124,14 +140,14 @@ void attend_part(Sequence seq, const float *k_cache, const float *v_cache, int k
     std::memset(acc, 0, sizeof(float) * Hq * D);
     for (int t = k0; t < k1;) {  // weighted values
         const int off = t % bs, end = t - off + bs < k1 ? t - off + bs : k1;
-        const float *v = v_cache + ((int64_t)seq.table[t / bs] * bs + off) * row;
-        const float *next = end < k1 ? v_cache + (int64_t)seq.table[t / bs + 1] * bs * row
-                                     : v;
+        const cache_t *v = v_cache + ((int64_t)seq.table[t / bs] * bs + off) * row;
+        const cache_t *next = end < k1 ? v_cache + (int64_t)seq.table[t / bs + 1] * bs * row
+                                       : v;
         for (int j = t; j < end; ++j, v += row, next += row) {
-            for (int c = 0; c < row; c += 16) __builtin_prefetch(next + c);
+            for (int c = 0; c < row; c += LINE) __builtin_prefetch(next + c);
             for (int h = 0; h < H; ++h) {
                 v16 vv[NV];
-                for (int c = 0; c < NV; ++c) vv[c] = load(v + h * D + c * 16);
+                for (int c = 0; c < NV; ++c) vv[c] = load_cache(v + h * D + c * 16);
                 for (int g = 0; g < G; ++g) {
                     const float p = s[(h * G + g) * stride + j - k0];
                     float *o = acc + (h * G + g) * D;
@@ -147,7 +163,7 @@ void attend_part(Sequence seq, const float *k_cache, const float *v_cache, int k
 
 // Returns 0, or -1 if scratch could not be allocated (nothing written then).
 extern "C" int heron_decode_attention(
-    const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+    const float *q, const cache_t *k_cache, const cache_t *v_cache, const int32_t *block_tables,
     int64_t table_stride, const int32_t *seq_lens, int num_seqs, int num_kv_heads, int group,
     int block_size, float scale, int part_keys, float *out)
 {
