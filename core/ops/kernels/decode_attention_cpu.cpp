@@ -94,6 +94,24 @@ struct Sequence {
     const int32_t *table;   // its block ids
 };
 
+// Calls visit(j, r) for each key j in [k0, k1) of a sequence whose blocks are `table`, r
+// the key's [H, D] row of `cache`: a block at a time, prefetching the next block's rows.
+template <typename Visit>
+inline void for_each_key(const cache_t *cache, const int32_t *table, int k0, int k1, int bs,
+                         int row, Visit visit)
+{
+    for (int t = k0; t < k1;) {
+        const int off = t % bs, end = t - off + bs < k1 ? t - off + bs : k1;
+        const cache_t *r = cache + ((int64_t)table[t / bs] * bs + off) * row;
+        const cache_t *next = end < k1 ? cache + (int64_t)table[t / bs + 1] * bs * row : r;
+        for (int j = t; j < end; ++j, r += row, next += row) {
+            for (int c = 0; c < row; c += LINE) __builtin_prefetch(next + c);
+            visit(j, r);
+        }
+        t = end;
+    }
+}
+
 // Keys [k0, k1) of one sequence. s: Hq rows of `stride` floats of scratch. Writes acc
 // [Hq, D] (unnormalized), m [Hq] (max logit), l [Hq] (sum of exponentials).
 void attend_part(Sequence seq, const cache_t *k_cache, const cache_t *v_cache, int k0, int k1,
@@ -101,26 +119,18 @@ void attend_part(Sequence seq, const cache_t *k_cache, const cache_t *v_cache, i
                  float *m, float *l)
 {
     const int row = H * D, Hq = H * G;
-    for (int t = k0; t < k1;) {  // scores, a block at a time
-        const int off = t % bs, end = t - off + bs < k1 ? t - off + bs : k1;
-        const cache_t *k = k_cache + ((int64_t)seq.table[t / bs] * bs + off) * row;
-        const cache_t *next = end < k1 ? k_cache + (int64_t)seq.table[t / bs + 1] * bs * row
-                                       : k;
-        for (int j = t; j < end; ++j, k += row, next += row) {
-            for (int c = 0; c < row; c += LINE) __builtin_prefetch(next + c);
-            for (int h = 0; h < H; ++h) {
-                v16 kv[NV];
-                for (int c = 0; c < NV; ++c) kv[c] = load_cache(k + h * D + c * 16);
-                for (int g = 0; g < G; ++g) {
-                    const float *qh = seq.q + (h * G + g) * D;
-                    v16 dot = load(qh) * kv[0];
-                    for (int c = 1; c < NV; ++c) dot += load(qh + c * 16) * kv[c];
-                    s[(h * G + g) * stride + j - k0] = hsum(dot) * scale;
-                }
+    for_each_key(k_cache, seq.table, k0, k1, bs, row, [&](int j, const cache_t *k) {
+        for (int h = 0; h < H; ++h) {  // scores
+            v16 kv[NV];
+            for (int c = 0; c < NV; ++c) kv[c] = load_cache(k + h * D + c * 16);
+            for (int g = 0; g < G; ++g) {
+                const float *qh = seq.q + (h * G + g) * D;
+                v16 dot = load(qh) * kv[0];
+                for (int c = 1; c < NV; ++c) dot += load(qh + c * 16) * kv[c];
+                s[(h * G + g) * stride + j - k0] = hsum(dot) * scale;
             }
         }
-        t = end;
-    }
+    });
     const int n = k1 - k0, full = n & ~15;
     for (int i = 0; i < Hq; ++i) {  // softmax weights, unnormalized
         float *si = s + i * stride;
@@ -138,25 +148,17 @@ void attend_part(Sequence seq, const cache_t *k_cache, const cache_t *v_cache, i
         l[i] = hsum(sum) + tail;
     }
     std::memset(acc, 0, sizeof(float) * Hq * D);
-    for (int t = k0; t < k1;) {  // weighted values
-        const int off = t % bs, end = t - off + bs < k1 ? t - off + bs : k1;
-        const cache_t *v = v_cache + ((int64_t)seq.table[t / bs] * bs + off) * row;
-        const cache_t *next = end < k1 ? v_cache + (int64_t)seq.table[t / bs + 1] * bs * row
-                                       : v;
-        for (int j = t; j < end; ++j, v += row, next += row) {
-            for (int c = 0; c < row; c += LINE) __builtin_prefetch(next + c);
-            for (int h = 0; h < H; ++h) {
-                v16 vv[NV];
-                for (int c = 0; c < NV; ++c) vv[c] = load_cache(v + h * D + c * 16);
-                for (int g = 0; g < G; ++g) {
-                    const float p = s[(h * G + g) * stride + j - k0];
-                    float *o = acc + (h * G + g) * D;
-                    for (int c = 0; c < NV; ++c) store(o + c * 16, load(o + c * 16) + p * vv[c]);
-                }
+    for_each_key(v_cache, seq.table, k0, k1, bs, row, [&](int j, const cache_t *v) {
+        for (int h = 0; h < H; ++h) {  // weighted values
+            v16 vv[NV];
+            for (int c = 0; c < NV; ++c) vv[c] = load_cache(v + h * D + c * 16);
+            for (int g = 0; g < G; ++g) {
+                const float p = s[(h * G + g) * stride + j - k0];
+                float *o = acc + (h * G + g) * D;
+                for (int c = 0; c < NV; ++c) store(o + c * 16, load(o + c * 16) + p * vv[c]);
             }
         }
-        t = end;
-    }
+    });
 }
 
 }  // namespace
