@@ -56,7 +56,7 @@ class AttentionMetadata:
     max_seq_len: int
     block_size: int
     workspace: Workspace | None = None  # scratch the CPU ops reuse; None: fresh tensors
-    cpu_kernels: bool = False  # CPU decode attention by the compiled kernel where it applies
+    cpu_kernels: bool = False  # CPU attention by the compiled kernels where they apply
 
     @property
     def num_seqs(self) -> int:
@@ -107,6 +107,14 @@ class AttentionMetadata:
             query_lens_list=[1] * len(ones), seq_lens_list=seq_lens, max_query_len=1,
             max_seq_len=max(seq_lens), block_size=self.block_size, workspace=self.workspace,
             cpu_kernels=self.cpu_kernels)
+
+    @cached_property
+    def prompt_query_lens(self) -> torch.Tensor:
+        """``[B]`` int32 host tensor: each sequence's query count, 0 for the one-query
+        sequences `single_query_part` takes (the rows a prompt kernel leaves to it)."""
+        skip = self.single_query_part is not None
+        return torch.tensor([0 if skip and n == 1 else n for n in self.query_lens_list],
+                            dtype=torch.int32)
 
     @cached_property
     def shared_prefix_plan(self) -> SharedPrefixPlan | None:

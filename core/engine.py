@@ -27,7 +27,7 @@ from heron.core.limits import Limits
 from heron.core.kv_cache import (allocate_cache, allocate_host_kv, copy_block_rows, copy_blocks,
                                  num_kv_blocks_for, num_swap_blocks_for)
 from heron.core.lora import AdapterError, AdapterWeights
-from heron.core.ops.attention import compiled_decode_applies
+from heron.core.ops.attention import compiled_attention_applies
 from heron.core.model_loader import load_model
 from heron.core.outputs import NO_TOKEN_LEFT, RequestOutput
 from heron.core.plugins import PluginManager
@@ -83,10 +83,10 @@ class Engine:
         self.cache = allocate_cache(spec, engine, self.num_kv_blocks, engine.max_num_seqs,
                                     self.dtype, self.device)
         self.runner.bind_cache(self.cache)
-        # builds the kernel now, so the first step does not wait for the compiler
+        # builds the kernels now, so the first step does not wait for the compiler
         self.cpu_kernels = (engine.cpu_kernels and self.device.type == "cpu"
                             and spec.kv is not None
-                            and compiled_decode_applies(self.dtype, spec.kv.head_dim))
+                            and compiled_attention_applies(self.dtype, spec.kv.head_dim))
         self.block_pool = BlockPool(self.num_kv_blocks)
         # NOTE: per-sequence states (SSM) are not in the KV blocks: a prefix hit must restore
         # a state snapshot too, and swapping or forking KV alone would be wrong, so

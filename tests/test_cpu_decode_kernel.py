@@ -1,4 +1,4 @@
-"""The compiled CPU decode attention (``core/ops/kernels/decode_attention_cpu.cpp``) against
+"""The compiled CPU decode attention (``core/ops/kernels/paged_attention_cpu.cpp``) against
 attention written out in float64, and its loader (`heron.core.cpu_kernels`).
 
 The caches' unowned slots hold NaN (the tail of a sequence's last block included), so a key
@@ -152,10 +152,10 @@ def test_a_bfloat16_cache(seq_lens):
 
 
 def test_where_it_does_not_apply_the_torch_ops_serve():
-    assert attention.compiled_decode_applies(torch.float32, 64)
-    assert attention.compiled_decode_applies(torch.bfloat16, 64)
-    assert not attention.compiled_decode_applies(torch.float16, 64)
-    assert not attention.compiled_decode_applies(torch.float32, 24)  # not whole vectors
+    assert attention.compiled_attention_applies(torch.float32, 64)
+    assert attention.compiled_attention_applies(torch.bfloat16, 64)
+    assert not attention.compiled_attention_applies(torch.float16, 64)
+    assert not attention.compiled_attention_applies(torch.float32, 24)  # not whole vectors
     case = make_paged_case([1, 1], [9, 30], num_q_heads=4, num_kv_heads=2, head_dim=32,
                            block_size=4, dtype=torch.float16, device="cpu")
     case.meta.cpu_kernels = True
@@ -178,30 +178,30 @@ def fresh_loader(tmp_path, monkeypatch):
 
 
 def test_a_build_is_cached_on_disk_and_in_the_process(fresh_loader):
-    lib = cpu_kernels.load("decode_attention_cpu.cpp", {"HEAD_DIM": 32})
-    assert lib is not None and cpu_kernels.load("decode_attention_cpu.cpp",
+    lib = cpu_kernels.load("paged_attention_cpu.cpp", {"HEAD_DIM": 32})
+    assert lib is not None and cpu_kernels.load("paged_attention_cpu.cpp",
                                                 {"HEAD_DIM": 32}) is lib
     (built,) = fresh_loader.iterdir()
-    assert built.name.startswith("decode_attention_cpu-") and built.suffix == ".so"
+    assert built.name.startswith("paged_attention_cpu-") and built.suffix == ".so"
     stamp = built.stat().st_mtime_ns
     cpu_kernels._LIBRARIES.clear()  # a new process: the file is loaded, not built again
-    assert cpu_kernels.load("decode_attention_cpu.cpp", {"HEAD_DIM": 32}) is not None
+    assert cpu_kernels.load("paged_attention_cpu.cpp", {"HEAD_DIM": 32}) is not None
     assert [p.name for p in fresh_loader.iterdir()] == [built.name]
     assert built.stat().st_mtime_ns == stamp
-    assert cpu_kernels.load("decode_attention_cpu.cpp", {"HEAD_DIM": 64}) is not None
+    assert cpu_kernels.load("paged_attention_cpu.cpp", {"HEAD_DIM": 64}) is not None
     assert len(list(fresh_loader.iterdir())) == 2  # another define set, another library
 
 
 def test_no_compiler_means_the_torch_ops(fresh_loader, monkeypatch, caplog):
     monkeypatch.setenv("CXX", os.fspath(fresh_loader / "no-such-compiler"))
     with caplog.at_level(logging.WARNING, logger="heron.core.cpu_kernels"):
-        assert cpu_kernels.load("decode_attention_cpu.cpp", {"HEAD_DIM": 32}) is None
+        assert cpu_kernels.load("paged_attention_cpu.cpp", {"HEAD_DIM": 32}) is None
     assert "torch ops instead" in caplog.text
     assert list(fresh_loader.iterdir()) == []
 
 
 def test_a_failed_build_says_why_and_leaves_nothing(fresh_loader, caplog):
     with caplog.at_level(logging.WARNING, logger="heron.core.cpu_kernels"):
-        assert cpu_kernels.load("decode_attention_cpu.cpp", {"HEAD_DIM": 24}) is None
+        assert cpu_kernels.load("paged_attention_cpu.cpp", {"HEAD_DIM": 24}) is None
     assert "HEAD_DIM must be a multiple of 16" in caplog.text
     assert list(fresh_loader.iterdir()) == []  # no half-written library

@@ -92,11 +92,12 @@ def hf_hidden(hf, tokens: list[int], layer: int | None = None) -> torch.Tensor:
 
 @torch.no_grad()
 def reference_drafts(hf, module: MtpModule, tokens: list[int], k: int,
-                     threshold: float = 0.0) -> list[int]:
+                     threshold: float = 0.0, ties: list[set[int]] | None = None) -> list[int]:
     """Drafts after ``tokens`` (the last not yet computed) from transformers' hidden states
     (those of the module's ``hidden_layer``) and the reference module, chaining by
     rerunning the whole sequence of pairs, while the product of the drafts' probabilities
-    stays at or above ``threshold``."""
+    stays at or above ``threshold``. ``ties`` receives, per draft, the tokens whose
+    probability is within float32 rounding (1e-5 relative) of the draft's."""
     hidden = hf_hidden(hf, tokens[:-1], module.hidden_layer)
     pairs = torch.tensor([tokens[1:]])
     drafts, chain = [], 1.0
@@ -104,6 +105,10 @@ def reference_drafts(hf, module: MtpModule, tokens: list[int], k: int,
         out = module(hidden, pairs)
         probs = torch.softmax(module.logits(out[0, -1]), -1)
         best = int(probs.argmax())
+        if ties is not None:
+            near = (probs >= probs[best] * (1 - 1e-5)).nonzero().flatten().tolist()
+            ties.append({i if module.draft_ids is None else int(module.draft_ids[i])
+                         for i in near})
         chain *= float(probs[best])
         if chain < threshold:
             break
@@ -112,6 +117,15 @@ def reference_drafts(hf, module: MtpModule, tokens: list[int], k: int,
         hidden = torch.cat([hidden, module.chained(out[:, -1:])], dim=1)
         pairs = torch.cat([pairs, torch.tensor([[draft]])], dim=1)
     return drafts
+
+
+def agree(drafts: list[int], reference: list[int], ties: list[set[int]]) -> bool:
+    """Whether ``drafts`` are ``reference``'s, up to a near tie (`reference_drafts`' ties)
+    broken the other way, where the two chains part."""
+    for draft, want, near in zip(drafts, reference, ties):
+        if draft != want:
+            return draft in near
+    return len(drafts) == len(reference)
 
 
 @pytest.mark.parametrize("layout, disable_by_batch_size", [
@@ -145,7 +159,8 @@ def test_drafts_equal_the_reference_modules(tmp_path, tiny, layout, disable_by_b
     # get accepted: 19 to 48 here)
     assert len(recorder.calls) > 12
     for tokens, drafts in recorder.calls:
-        assert drafts == reference_drafts(hf, module, tokens, 3), tokens
+        ties = []
+        assert agree(drafts, reference_drafts(hf, module, tokens, 3, ties=ties), ties), tokens
     if layout.startswith("qwen3-next"):
         assert all(d in set(draft_ids.tolist()) for _, ds in recorder.calls for d in ds)
     assert_no_leaks(engine)

@@ -2,13 +2,13 @@
 
 Cache layout per layer: ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``.
 The torch functions here are the CPU path and the reference the CUDA kernels and the CPU
-decode kernel are tested against. On the CPU, decode rows go to that kernel
-(``kernels/decode_attention_cpu.cpp``, which reads the blocks in place) where the metadata
-asks for it and it applies (float32 or bfloat16 caches, head sizes a multiple of 16); the
-torch ops gather whole blocks into the step's `Workspace` first, which costs about as much
-as attending to them. A step's decode rows beside a prompt chunk attend in one call, and
-with the torch ops a decode batch whose sequences share a long prefix reads it once
-(`SharedPrefixPlan`).
+kernels are tested against. On the CPU, attention goes to compiled kernels
+(``kernels/paged_attention_cpu.cpp``: one for decode rows, one for prompts, both reading the
+blocks in place) where the metadata asks for them and they apply (float32 or bfloat16
+caches, head sizes a multiple of 16); the torch ops gather whole blocks into the step's
+`Workspace` first, which costs about as much as attending to them. A step's decode rows
+beside a prompt chunk attend in one call, and with the torch ops a decode batch whose
+sequences share a long prefix reads it once (`SharedPrefixPlan`).
 """
 
 from __future__ import annotations
@@ -115,46 +115,79 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
 PART_KEYS_MIN, PART_KEYS_MAX = 256, 2048
 
 
+def _kernel_inputs_fit(q, k_cache, v_cache, meta: AttentionMetadata) -> bool:
+    """Whether the compiled CPU kernels take these tensors as they are."""
+    tables = meta.block_tables
+    return (q.device.type == "cpu" and compiled_attention_applies(k_cache.dtype, q.shape[-1])
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and tables.dtype == torch.int32 and tables.stride(-1) == 1)
+
+
 def _compiled_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
     """`_decode` by the compiled CPU kernel; None where it does not apply or is not built."""
+    if not _kernel_inputs_fit(q, k_cache, v_cache, meta):
+        return None
     num_seqs, heads, head_dim = q.shape
     tables, lens = meta.block_tables, meta.seq_lens.to(torch.int32).contiguous()
-    if not (q.device.type == "cpu" and compiled_decode_applies(k_cache.dtype, head_dim)
-            and k_cache.is_contiguous() and v_cache.is_contiguous()
-            and tables.dtype == torch.int32 and tables.stride(-1) == 1):
-        return None
     query = q.float().contiguous()
     out = torch.empty_like(query)
     kv_heads = k_cache.shape[-2]
     tasks = 4 * torch.get_num_threads()
     part_keys = min(PART_KEYS_MAX, max(PART_KEYS_MIN, -(-sum(meta.seq_lens_list) // tasks)))
-    failed = _decode_kernel(head_dim, k_cache.dtype)(
+    failed = _kernels(head_dim, k_cache.dtype).heron_decode_attention(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         tables.stride(0), lens.data_ptr(), num_seqs, kv_heads, heads // kv_heads,
         meta.block_size, scale, part_keys, out.data_ptr())
     return None if failed else out.to(q.dtype)
 
 
-def compiled_decode_applies(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether decode attention over a CPU cache of ``dtype`` and ``head_dim`` can run the
-    compiled kernel (which this builds, if not yet built)."""
+def _compiled_prefill(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    """`paged_attention_ref` of a step with prompt rows by the compiled CPU kernels (decode
+    rows beside them by the decode kernel); None where they do not apply or are not built."""
+    if not _kernel_inputs_fit(q, k_cache, v_cache, meta):
+        return None
+    tables = meta.block_tables
+    query = q.float().contiguous()
+    out = torch.empty_like(query)
+    decodes = meta.single_query_part
+    if decodes is not None:
+        rows, sub = decodes
+        decoded = _compiled_decode(query[rows], k_cache, v_cache, sub, scale)
+        if decoded is None:
+            return None
+        out[rows] = decoded
+    starts = meta.query_start_loc.to(torch.int32).contiguous()
+    seq_lens = meta.seq_lens.to(torch.int32).contiguous()
+    kv_heads = k_cache.shape[-2]
+    failed = _kernels(q.shape[-1], k_cache.dtype).heron_prefill_attention(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        tables.stride(0), starts.data_ptr(), meta.prompt_query_lens.data_ptr(),
+        seq_lens.data_ptr(), meta.num_seqs, kv_heads, q.shape[1] // kv_heads,
+        meta.block_size, scale, out.data_ptr())
+    return None if failed else out.to(q.dtype)
+
+
+def compiled_attention_applies(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attention over a CPU cache of ``dtype`` and ``head_dim`` can run the compiled
+    kernels (which this builds, if not yet built)."""
     return (dtype in (torch.float32, torch.bfloat16) and head_dim % 16 == 0
-            and _decode_kernel(head_dim, dtype) is not None)
+            and _kernels(head_dim, dtype) is not None)
 
 
 @functools.cache
-def _decode_kernel(head_dim: int, dtype: torch.dtype):
-    """The compiled decode kernel for ``head_dim`` and a cache of ``dtype``, its argument
-    types set; None if not built."""
+def _kernels(head_dim: int, dtype: torch.dtype):
+    """The compiled attention kernels for ``head_dim`` and a cache of ``dtype``, their
+    argument types set; None if not built."""
     defines = {"HEAD_DIM": head_dim, **({"CACHE_BF16": 1} if dtype == torch.bfloat16 else {})}
-    lib = cpu_kernels.load("decode_attention_cpu.cpp", defines)
+    lib = cpu_kernels.load("paged_attention_cpu.cpp", defines)
     if lib is None:
         return None
-    fn = lib.heron_decode_attention
-    p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-    fn.argtypes = [p, p, p, p, i64, p, i32, i32, i32, i32, ctypes.c_float, i32, p]
-    fn.restype = ctypes.c_int
-    return fn
+    p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+    lib.heron_decode_attention.argtypes = [p, p, p, p, i64, p, i32, i32, i32, i32, f32, i32, p]
+    lib.heron_prefill_attention.argtypes = [p, p, p, p, i64, p, p, p, i32, i32, i32, i32, f32,
+                                            p]
+    lib.heron_decode_attention.restype = lib.heron_prefill_attention.restype = ctypes.c_int
+    return lib
 
 
 def _padded(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
@@ -225,6 +258,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """
     if meta.is_decode_only:
         return _decode(q.to(k_cache.dtype), k_cache, v_cache, meta, scale).to(q.dtype)
+    if meta.cpu_kernels:
+        out = _compiled_prefill(q, k_cache, v_cache, meta, scale)
+        if out is not None:
+            return out
     # one padded call when padding costs little (speculative drafts, short prompts); a
     # sequence at a time when one long prompt would pad everyone to its length
     num_seqs, num_rows = meta.num_seqs, q.shape[0]

@@ -1,4 +1,5 @@
-// Decode attention on the CPU: one query per sequence over its paged KV, read in place.
+// Paged attention on the CPU, reading the KV blocks in place: decode (one query per
+// sequence; heron_decode_attention) and prompts (heron_prefill_attention, further down).
 //
 // The torch path (`heron.core.ops.attention`) first gathers every sequence's blocks into one
 // tensor, then attends: the context crosses memory three times and small-M matmuls run far
@@ -54,9 +55,17 @@ inline v16 load_cache(const cache_t *p)
     v16i wide = __builtin_convertvector(*reinterpret_cast<const v16h *>(p), v16i) << 16;
     return (v16)wide;
 }
+inline float load_scalar(const cache_t *p)
+{
+    const uint32_t bits = (uint32_t)*p << 16;
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    return x;
+}
 #else
 typedef float cache_t;
 inline v16 load_cache(const cache_t *p) { return load(p); }
+inline float load_scalar(const cache_t *p) { return *p; }
 #endif
 constexpr int LINE = 64 / sizeof(cache_t);  // cache elements a cache line holds
 
@@ -229,5 +238,190 @@ extern "C" int heron_decode_attention(
     }
     std::free(first);
     std::free(parts);
+    return failed ? -1 : 0;
+}
+
+// Prefill attention: each sequence's new queries over its paged KV (the cached prefix and the
+// chunk's own keys, already written), causal, read in place.
+//
+// Layout: q, out [T, H * G, D] (sequence b's query_lens[b] queries consecutive from row
+// query_starts[b]; a sequence of 0 queries is skipped, its rows left alone); the caches and
+// tables as for decode. Query i of a sequence with n queries and L keys sees keys
+// 0 .. L - n + i.
+//
+// The torch path copies each sequence's blocks out of the cache in every layer before SDPA,
+// whose CPU kernel then reads the keys once per query head. Here a task is one KV head of
+// a tile of TILE_ROWS / G consecutive query positions: the tile's G query heads per position
+// become the rows of one matrix, so each key is read once for all of them (rows rounded up
+// to a multiple of SR repeat the last position; their outputs are dropped). Keys go by in
+// tiles of 16, transposed into a [D, 16] block so a row's 16 scores are one vector; the
+// softmax is online (a running max and sum per row).
+
+namespace {
+
+constexpr int KEYS = 16;        // keys per tile: one vector of scores per row
+constexpr int TILE_ROWS = 64;   // query rows (positions x G) per task, about
+constexpr int SR = 8;           // rows per block of the scores product
+constexpr int PR = 4;           // rows per block of the values product
+
+inline float hmax(v16 x)
+{
+    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
+    v8 b = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    a = a > b ? a : b;
+    v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    c = c > d ? c : d;
+    const float x0 = c[0] > c[1] ? c[0] : c[1], x1 = c[2] > c[3] ? c[2] : c[3];
+    return x0 > x1 ? x0 : x1;
+}
+
+struct Tile {
+    float *q;    // [rows, D]: the queries, times the scale
+    float *o;    // [rows, D]: the output, unnormalized
+    float *p;    // [rows, KEYS]: scores, then weights
+    float *m;    // [rows]: running max
+    v16 *l;      // [rows]: running sums, lane-wise
+    int *limit;  // [rows]: keys < limit are visible
+    float *kt;   // [D, KEYS]: a key tile, transposed
+};
+
+// The rows [0, rows) of tile `t` (rows a multiple of SR) over keys [0, k_end) of a sequence.
+void attend_tile(Tile t, int rows, const cache_t *k_cache, const cache_t *v_cache,
+                 const int32_t *table, int bs, int h, int H, int k_end)
+{
+    const int row = H * D;
+    const cache_t *vrow[KEYS];
+    const int min_limit = t.limit[0];
+    for (int j0 = 0; j0 < k_end; j0 += KEYS) {
+        const int n = k_end - j0 < KEYS ? k_end - j0 : KEYS;
+        for (int j = 0; j < KEYS; ++j) {  // transpose the keys, note the values' rows
+            if (j < n) {
+                const int key = j0 + j;
+                const int64_t at = ((int64_t)table[key / bs] * bs + key % bs) * row + h * D;
+                vrow[j] = v_cache + at;
+                for (int d = 0; d < D; ++d) t.kt[d * KEYS + j] = load_scalar(k_cache + at + d);
+            } else {
+                vrow[j] = vrow[0];
+                for (int d = 0; d < D; ++d) t.kt[d * KEYS + j] = 0.f;
+            }
+        }
+        const bool masked = j0 + KEYS > min_limit;
+        for (int r0 = 0; r0 < rows; r0 += SR) {  // scores
+            v16 s[SR] = {};
+            for (int d = 0; d < D; ++d) {
+                const v16 k = load(t.kt + d * KEYS);
+                for (int i = 0; i < SR; ++i) s[i] += t.q[(r0 + i) * D + d] * k;
+            }
+            const v16i key = v16i{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + j0;
+            for (int i = 0; i < SR; ++i) {
+                // every row sees key 0, so its max is a real logit from the first tile on
+                const int r = r0 + i;
+                if (masked) s[i] = key < t.limit[r] ? s[i] : v16{} - FLT_MAX;
+                const float mx = hmax(s[i]), m_new = mx > t.m[r] ? mx : t.m[r];
+                v16 e = vexp(s[i] - m_new);
+                if (masked) e = key < t.limit[r] ? e : v16{};  // vexp stops at exp(-87), not 0
+                store(t.p + r * KEYS, e);
+                if (m_new > t.m[r]) {
+                    const float alpha = std::exp(t.m[r] - m_new);
+                    t.l[r] *= alpha;
+                    for (int c = 0; c < NV; ++c)
+                        store(t.o + r * D + c * 16, load(t.o + r * D + c * 16) * alpha);
+                    t.m[r] = m_new;
+                }
+                t.l[r] += e;
+            }
+        }
+        for (int r0 = 0; r0 < rows; r0 += PR) {  // weighted values
+            v16 o[PR][NV];
+            for (int i = 0; i < PR; ++i)
+                for (int c = 0; c < NV; ++c) o[i][c] = load(t.o + (r0 + i) * D + c * 16);
+            for (int j = 0; j < n; ++j) {
+                v16 v[NV];
+                for (int c = 0; c < NV; ++c) v[c] = load_cache(vrow[j] + c * 16);
+                for (int i = 0; i < PR; ++i) {
+                    const float w = t.p[(r0 + i) * KEYS + j];
+                    for (int c = 0; c < NV; ++c) o[i][c] += w * v[c];
+                }
+            }
+            for (int i = 0; i < PR; ++i)
+                for (int c = 0; c < NV; ++c) store(t.o + (r0 + i) * D + c * 16, o[i][c]);
+        }
+    }
+}
+
+}  // namespace
+
+// Returns 0, or -1 if scratch could not be allocated (nothing written then).
+extern "C" int heron_prefill_attention(
+    const float *q, const cache_t *k_cache, const cache_t *v_cache, const int32_t *block_tables,
+    int64_t table_stride, const int32_t *query_starts, const int32_t *query_lens,
+    const int32_t *seq_lens, int num_seqs,
+    int num_kv_heads, int group, int block_size, float scale, float *out)
+{
+    const int H = num_kv_heads, G = group, Hq = H * G, B = num_seqs;
+    const int positions = TILE_ROWS / G > 0 ? TILE_ROWS / G : 1;
+    const int rows = (positions * G + SR - 1) / SR * SR;
+    // task i: KV head i % H of the tile of positions starting at tile_start[i / H]
+    int num_tiles = 0;
+    for (int b = 0; b < B; ++b)
+        num_tiles += (query_lens[b] + positions - 1) / positions;
+    int *tile_seq = static_cast<int *>(std::malloc(sizeof(int) * 2 * (num_tiles + 1)));
+    if (tile_seq == nullptr) return -1;
+    int *tile_start = tile_seq + num_tiles + 1;
+    // each sequence's last tile (the most keys) first, for the dynamic schedule
+    for (int b = 0, i = 0; b < B; ++b) {
+        const int n = query_lens[b];
+        for (int p = n > 0 ? (n - 1) / positions * positions : -1; p >= 0; p -= positions, ++i) {
+            tile_seq[i] = b;
+            tile_start[i] = p;
+        }
+    }
+    int failed = 0;
+    #pragma omp parallel
+    {
+        const size_t floats = (size_t)rows * (2 * D + KEYS + 1 + 16) + D * KEYS + rows;
+        float *scratch = static_cast<float *>(std::aligned_alloc(64, (floats * 4 + 63) / 64 * 64));
+        if (scratch == nullptr) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        Tile t;
+        if (scratch != nullptr) {
+            t.l = reinterpret_cast<v16 *>(scratch);
+            t.q = scratch + rows * 16;
+            t.o = t.q + rows * D;
+            t.p = t.o + rows * D;
+            t.kt = t.p + rows * KEYS;
+            t.m = t.kt + D * KEYS;
+            t.limit = reinterpret_cast<int *>(t.m + rows);
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < num_tiles * H; ++task) {
+            if (scratch == nullptr) continue;
+            const int i = task / H, h = task % H, b = tile_seq[i];
+            const int n = query_lens[b], L = seq_lens[b];
+            const int p0 = tile_start[i], np = n - p0 < positions ? n - p0 : positions;
+            const float *qb = q + ((int64_t)(query_starts[b] + p0) * Hq + h * G) * D;
+            for (int r = 0; r < rows; ++r) {
+                const int p = r / G < np ? r / G : np - 1, g = r % G;  // padding: the last row
+                for (int c = 0; c < NV; ++c)
+                    store(t.q + r * D + c * 16, load(qb + (p * Hq + g) * D + c * 16) * scale);
+                std::memset(t.o + r * D, 0, sizeof(float) * D);
+                t.m[r] = -FLT_MAX;
+                t.l[r] = v16{};
+                t.limit[r] = L - n + p0 + p + 1;
+            }
+            attend_tile(t, rows, k_cache, v_cache, block_tables + b * table_stride, block_size,
+                        h, H, L - n + p0 + np);
+            for (int r = 0; r < np * G; ++r) {
+                const int p = r / G, g = r % G;
+                const float inv = 1.f / hsum(t.l[r]);
+                float *ob = out + ((int64_t)(query_starts[b] + p0 + p) * Hq + h * G + g) * D;
+                for (int c = 0; c < NV; ++c) store(ob + c * 16, load(t.o + r * D + c * 16) * inv);
+            }
+        }
+        std::free(scratch);
+    }
+    std::free(tile_seq);
     return failed ? -1 : 0;
 }
