@@ -231,8 +231,12 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
+def plot(results: dict, path: Path) -> bool:
+    """Throughput and TTFT against concurrency, to ``path``; False without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -256,6 +260,7 @@ def plot(results: dict, path: Path) -> None:
                  f"{results['date'][:10]}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return True
 
 
 def main() -> None:
@@ -335,9 +340,10 @@ def main() -> None:
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
     table = markdown(results)
     stem.with_suffix(".md").write_text(table)
-    plot(results, stem.with_suffix(".png"))
+    plotted = plot(results, stem.with_suffix(".png"))
     print(table)
-    print(f"written to {stem}.json, .md, .png")
+    print(f"written to {stem}.json, .md" + (", .png" if plotted else
+                                           " (no plot: matplotlib, in the bench extra, is missing)"))
 
 
 if __name__ == "__main__":
