@@ -17,15 +17,14 @@ import heron.core.ops.attention as attention
 from heron.core import cpu_kernels
 from heron.core.ops import paged_attention_ref
 from tests.gpu.cases import make_paged_case
+from tests.test_cpu_prefill_kernel import prompt_case
 from tests.test_paged_attention import share_blocks, written_out
 
 
 def decode_case(seq_lens, *, num_q_heads=6, num_kv_heads=2, head_dim=32, block_size=4, seed=0):
-    case = make_paged_case([1] * len(seq_lens), seq_lens, num_q_heads=num_q_heads,
-                           num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                           dtype=torch.float32, device="cpu", seed=seed)
-    case.meta.cpu_kernels = True
-    return case
+    return prompt_case([1] * len(seq_lens), seq_lens, num_q_heads=num_q_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                       seed=seed)
 
 
 def compiled(case) -> torch.Tensor:

@@ -32,7 +32,7 @@ def compiled(case) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("query_lens, seq_lens", [
-    ([2, 5], [2, 5]),                      # whole prompts shorter than a tile of keys
+    ([2, 5], [2, 5]),                  # whole prompts shorter than a tile of keys
     ([300], [300]),                    # a whole prompt: several tiles of queries and keys
     ([77], [1100]),                    # a chunk after a cached prefix
     ([17, 3, 40, 64], [17, 50, 200, 64]),

@@ -300,8 +300,7 @@ void attend_tile(Tile t, int rows, const cache_t *k_cache, const cache_t *v_cach
                 const int64_t at = ((int64_t)table[key / bs] * bs + key % bs) * row + h * D;
                 vrow[j] = v_cache + at;
                 for (int d = 0; d < D; ++d) t.kt[d * KEYS + j] = load_scalar(k_cache + at + d);
-            } else {
-                vrow[j] = vrow[0];
+            } else {  // past the keys: masked lanes (the values loop stops at n)
                 for (int d = 0; d < D; ++d) t.kt[d * KEYS + j] = 0.f;
             }
         }
