@@ -306,11 +306,59 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
     return write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
+def _compiled_rotary_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
+                              slot_mapping):
+    """`rotary_write_kv_ref` of float32 CPU rows by the compiled kernel; None where it does
+    not apply or is not built."""
+    head_dim = q.shape[-1]
+    if not (q.dtype == k.dtype == v.dtype == cos_sin_cache.dtype == torch.float32
+            and k_cache.dtype in (torch.float32, torch.bfloat16)
+            and k_cache.dtype == v_cache.dtype and cos_sin_cache.shape[-1] <= head_dim
+            and k_cache.shape == v_cache.shape and k_cache.shape[-2:] == k.shape[1:]
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and cos_sin_cache.is_contiguous()
+            and all(t.stride()[1:] == (head_dim, 1) for t in (q, k, v))
+            and positions.dtype == slot_mapping.dtype == torch.int64
+            and positions.is_contiguous() and slot_mapping.is_contiguous()):
+        return None
+    lib = _rotary_kernel(k_cache.dtype)
+    if lib is None:
+        return None
+    out = torch.empty(q.shape, dtype=q.dtype)
+    failed = lib.heron_rotary_write_kv(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0],
+        cos_sin_cache.shape[1], slot_mapping.data_ptr(), k_cache.numel() // (k.shape[1] * head_dim),
+        q.shape[0], q.shape[1], k.shape[1], head_dim, out.data_ptr(), k_cache.data_ptr(),
+        v_cache.data_ptr())
+    return None if failed else out  # out of bounds: the torch ops say where
+
+
+@functools.cache
+def _rotary_kernel(cache_dtype: torch.dtype):
+    """The compiled rotary-and-KV-write for caches of ``cache_dtype``, its argument types
+    set; None if not built."""
+    lib = cpu_kernels.load("rotary_cpu.cpp",
+                           {"CACHE_BF16": 1} if cache_dtype == torch.bfloat16 else {})
+    if lib is None:
+        return None
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    lib.heron_rotary_write_kv.argtypes = [p, i64, p, i64, p, i64, p, p, i64, i32, p, i64, i64,
+                                          i32, i32, i32, p, p, p]
+    lib.heron_rotary_write_kv.restype = ctypes.c_int
+    return lib
+
+
 def rotary_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
     if q.is_cuda:
         from heron.core.ops import cuda
         return cuda.rotary_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                                     slot_mapping)
+    if q.device.type == "cpu" and q.shape[0]:
+        out = _compiled_rotary_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
+                                        slot_mapping)
+        if out is not None:
+            return out
     return rotary_write_kv_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
 
 

@@ -1,9 +1,19 @@
-"""RMSNorm with an optional fused residual add."""
+"""RMSNorm with an optional fused residual add.
+
+On the CPU, float32 rows go to a compiled kernel (``kernels/norm_cpu.cpp``) where one can be
+built: torch's six ops per norm cost more in dispatch than in arithmetic on a decode step's
+few rows (a SmolLM2-135M decode step of one sequence spent 1.2 of its 17.5 ms in them).
+"""
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
 import torch.nn.functional as F
+
+from heron.core import cpu_kernels
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -21,8 +31,53 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * xf.to(x.dtype), residual
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as ``[rows, n]`` with contiguous rows, without a copy; None if it is not one."""
+    if t.dim() == 2 and t.stride(1) == 1:
+        return t
+    return t.view(-1, t.shape[-1]) if t.is_contiguous() else None
+
+
+def _compiled_rms_norm(x, weight, eps, residual):
+    """`rms_norm_ref` of float32 CPU tensors by the compiled kernel; None where it does not
+    apply or is not built."""
+    if not (x.dtype == weight.dtype == torch.float32 and weight.shape == x.shape[-1:]
+            and weight.is_contiguous()
+            and (residual is None or (residual.dtype == torch.float32
+                                          and residual.shape == x.shape))):
+        return None
+    rows, res_rows = _rows(x), None if residual is None else _rows(residual)
+    lib = _norm_kernel()
+    if rows is None or (residual is not None and res_rows is None) or lib is None:
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    summed = None if residual is None else torch.empty(x.shape, dtype=x.dtype)
+    lib.heron_rms_norm(rows.data_ptr(), rows.stride(0),
+                       None if res_rows is None else res_rows.data_ptr(),
+                       0 if res_rows is None else res_rows.stride(0), weight.data_ptr(),
+                       out.data_ptr(), None if summed is None else summed.data_ptr(),
+                       rows.shape[0], rows.shape[1], eps)
+    return out, summed
+
+
+@functools.cache
+def _norm_kernel():
+    """The compiled RMSNorm, its argument types set; None if not built."""
+    lib = cpu_kernels.load("norm_cpu.cpp")
+    if lib is None:
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.heron_rms_norm.argtypes = [p, i64, p, i64, p, p, p, i64, i64, ctypes.c_float]
+    lib.heron_rms_norm.restype = None
+    return lib
+
+
 def rms_norm(x, weight, eps, residual=None):
     if x.is_cuda:
         from heron.core.ops import cuda
         return cuda.rms_norm(x, weight, eps, residual)
+    if x.device.type == "cpu" and x.numel():
+        out = _compiled_rms_norm(x, weight, eps, residual)
+        if out is not None:
+            return out
     return rms_norm_ref(x, weight, eps, residual)
