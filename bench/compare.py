@@ -5,11 +5,12 @@ Each system serves SmolLM2-135M-Instruct on this machine and gets the same load 
 exactly ``--max-tokens`` tokens) at each concurrency, then is stopped before the next starts.
 Systems (a peer that is not set up is skipped, saying why; ``bench/peers/setup_*.sh``):
 
-- heron, fp32, the Q4_1 GGUF dequantized at load;
-- vLLM's CPU build, fp32, an HF directory of the same dequantized weights, tuned as its CPU
-  docs advise (tcmalloc and Intel OpenMP preloaded, OpenMP threads bound to the cores);
+- heron, fp32 (``--dtype``), the Q4_1 GGUF dequantized at load;
+- vLLM's CPU build, fp32 (``--dtype``), an HF directory of the same dequantized weights, tuned
+  as its CPU docs advise (tcmalloc and Intel OpenMP preloaded, OpenMP threads bound to the
+  cores);
 - llama.cpp's ``llama-server`` on the Q4_1 GGUF and on an F32 GGUF of the same weights;
-- ``transformers serve`` (continuous batching), fp32, on the HF directory; it has no
+- ``transformers serve`` (continuous batching), fp32 (``--dtype``), on the HF directory; it has no
   ``ignore_eos``, so it serves a copy whose generation config has no EOS.
 
 Every system runs its model math on ``--threads`` threads (default: all cores). The whole
@@ -66,25 +67,29 @@ def free_port() -> int:
 KV_CACHE_GB = 4
 # Longest context a peer is told to serve (llama.cpp splits its context among its slots)
 MAX_MODEL_LEN = 2048
+# The precision each ``--dtype`` is reported as
+PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
 
 
-def heron(model: Path, port: int, threads: int, max_seqs: int) -> System:
+def heron(model: Path, port: int, threads: int, max_seqs: int,
+          dtype: str = "float32") -> System:
     from importlib.metadata import version
 
     return System(
-        "heron", "fp32",
+        "heron", PRECISION[dtype],
         [sys.executable, "-m", "heron.server.cli", "serve", str(model), "--port", str(port),
-         "--set", "model.dtype=float32", "--set", f"model.num_threads={threads}",
+         "--set", f"model.dtype={dtype}", "--set", f"model.num_threads={threads}",
          "--set", f"engine.max_num_seqs={max_seqs}",
          "--set", f"engine.kv_cache_memory_gb={KV_CACHE_GB}", "--set", "logging.level=warning",
          "--set", "logging.log_requests=false"],
         {"OMP_NUM_THREADS": str(threads)}, version=f"heron {version('heron')}")
 
 
-def vllm(hf_dir: Path, port: int, threads: int, max_seqs: int) -> System:
+def vllm(hf_dir: Path, port: int, threads: int, max_seqs: int,
+         dtype: str = "float32") -> System:
     python = PEERS / "vllm/bin/python"
     if not python.exists():
-        return System("vllm", "fp32", [], missing="run bench/peers/setup_vllm.sh")
+        return System("vllm", PRECISION[dtype], [], missing="run bench/peers/setup_vllm.sh")
     env = {"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GB),
            "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
     preload = [p for p in (Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
@@ -94,9 +99,9 @@ def vllm(hf_dir: Path, port: int, threads: int, max_seqs: int) -> System:
     out = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"],
                          capture_output=True, text=True)
     return System(
-        "vllm", "fp32",
+        "vllm", PRECISION[dtype],
         [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
-         "--port", str(port), "--dtype", "float32", "--max-num-seqs", str(max_seqs),
+         "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(max_seqs),
          "--max-model-len", str(MAX_MODEL_LEN)],
         env, version=f"vllm-cpu {out.stdout.strip()}",
         missing="" if out.returncode == 0 else f"vllm does not import: {out.stderr[-300:]}")
@@ -119,16 +124,18 @@ def llama_cpp(gguf: Path, precision: str, port: int, threads: int, max_seqs: int
                 f"(llama-cpp-python {(PEERS / 'llama.cpp/VERSION').read_text().strip()})")
 
 
-def transformers_serve(hf_dir: Path, port: int, threads: int) -> System:
+def transformers_serve(hf_dir: Path, port: int, threads: int,
+                       dtype: str = "float32") -> System:
     cli = PEERS / "transformers/bin/transformers"
     if not cli.exists():
-        return System("transformers", "fp32", [], missing="run bench/peers/setup_transformers.sh")
+        return System("transformers", PRECISION[dtype], [],
+                      missing="run bench/peers/setup_transformers.sh")
     out = subprocess.run([cli.parent / "python", "-c",
                           "import transformers; print(transformers.__version__)"],
                          capture_output=True, text=True)
     return System(
-        "transformers", "fp32",
-        [str(cli), "serve", str(hf_dir), "--continuous-batching", "--dtype", "float32",
+        "transformers", PRECISION[dtype],
+        [str(cli), "serve", str(hf_dir), "--continuous-batching", "--dtype", dtype,
          "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)],
         {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"},
         version=f"transformers {out.stdout.strip()} (serve)", ignore_eos=False)
@@ -270,6 +277,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--workload", default="short-chat")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", choices=sorted(PRECISION), default="float32",
+                        help="heron's, vLLM's and transformers' (llama.cpp: its GGUFs')")
     parser.add_argument("--requests-per-client", type=int, default=3,
                         help="requests per concurrency level = this x concurrency (at least 4)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
@@ -286,13 +295,13 @@ def main() -> None:
 
     gguf = ensure_default_model()
     makers = {
-        "heron": lambda port: heron(gguf, port, args.threads, max_seqs),
-        "vllm": lambda port: vllm(hf_dir(gguf), port, args.threads, max_seqs),
+        "heron": lambda port: heron(gguf, port, args.threads, max_seqs, args.dtype),
+        "vllm": lambda port: vllm(hf_dir(gguf), port, args.threads, max_seqs, args.dtype),
         "llama.cpp-q4_1": lambda port: llama_cpp(gguf, "Q4_1", port, args.threads, max_seqs),
         "llama.cpp-f32": lambda port: llama_cpp(f32_gguf(gguf), "F32", port, args.threads,
                                                 max_seqs),
         "transformers": lambda port: transformers_serve(hf_dir_without_eos(gguf), port,
-                                                        args.threads),
+                                                        args.threads, args.dtype),
     }
     date = dt.date.today().isoformat()
     args.out.mkdir(parents=True, exist_ok=True)

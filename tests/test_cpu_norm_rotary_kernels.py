@@ -64,29 +64,47 @@ def test_rows_of_a_wider_tensor_and_heads_of_a_contiguous_one():
     torch.testing.assert_close(rms_norm(q, weight, 1e-6)[0], rms_norm_ref(q, weight, 1e-6)[0])
 
 
-def test_rms_norm_takes_the_kernel_for_float32_and_torch_for_bfloat16(monkeypatch):
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_a_bfloat16_rms_norm_rounds_where_the_torch_ops_do(with_residual):
+    """The sum rounds to bfloat16 as torch's add does (exactly), the norm rounds before the
+    weight's product: torch's bits but where the float32 norm, summed in another order,
+    lands on the other side of a rounding boundary (at most one bfloat16 step)."""
+    g = torch.Generator().manual_seed(2)
+    x, weight = (torch.randn(300, 576, generator=g) * 3).bfloat16(), torch.randn(576).bfloat16()
+    residual = torch.randn(300, 576, generator=g).bfloat16() if with_residual else None
+    out, summed = compiled_norm(x, weight, 1e-5, residual)
+    ref, ref_summed = rms_norm_ref(x, weight, 1e-5, residual)
+    assert out.dtype == torch.bfloat16
+    assert summed is None if residual is None else torch.equal(summed, ref_summed)
+    assert (out != ref).float().mean() < 0.01
+    torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=1e-30)
+
+
+def test_rms_norm_takes_the_kernel_for_float32_and_bfloat16_and_torch_for_float16(
+        monkeypatch):
     calls = []
     real = norm._compiled_rms_norm
     monkeypatch.setattr(norm, "_compiled_rms_norm", lambda *a: calls.append(a[0].dtype)
                         or real(*a))
     x, weight = torch.randn(4, 32), torch.randn(32)
     out, summed = rms_norm(x, weight, 1e-6, x)
-    assert calls == [torch.float32] and summed is not None
+    rms_norm(x.bfloat16(), weight.bfloat16(), 1e-6)
+    assert calls == [torch.float32, torch.bfloat16] and summed is not None
     torch.testing.assert_close(out.double(), written_out_norm(x, weight, 1e-6, x),
                                rtol=2e-6, atol=2e-6)
-    assert real(x.bfloat16(), weight.bfloat16(), 1e-6, None) is None
-    out, _ = rms_norm(x.bfloat16(), weight.bfloat16(), 1e-6)
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out, rms_norm_ref(x.bfloat16(), weight.bfloat16(), 1e-6)[0])
+    assert real(x.half(), weight.half(), 1e-6, None) is None
+    out, _ = rms_norm(x.half(), weight.half(), 1e-6)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out, rms_norm_ref(x.half(), weight.half(), 1e-6)[0])
 
 
 def rotary_case(num_tokens, *, q_heads=9, kv_heads=3, head_dim=64, rot=None,
-                cache_dtype=torch.float32, seed=0):
+                dtype=torch.float32, cache_dtype=torch.float32, seed=0):
     """Views of a fused qkv projection, as the transformer family passes them; caches of
     NaN, each token at its own random slot, every fifth token a padding row (slot -1)."""
     g = torch.Generator().manual_seed(seed)
     q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
-    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=g)
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=g).to(dtype)
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q = q.view(num_tokens, q_heads, head_dim)
     k, v = k.view(num_tokens, kv_heads, head_dim), v.view(num_tokens, kv_heads, head_dim)
@@ -118,13 +136,16 @@ def both_ways(case):
     (8, 2, 128, 64),     # half the head rotates (partial rotary), the rest passes through
     (6, 1, 40, 24),      # widths that are not whole vectors
 ])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, cache_dtype", [
+    (torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16)])
 def test_compiled_rotary_write_kv_is_the_torch_ops_bit_for_bit(num_tokens, q_heads, kv_heads,
-                                                               head_dim, rot, cache_dtype):
+                                                               head_dim, rot, dtype,
+                                                               cache_dtype):
     """The same rotated queries and the same cache contents, NaN where nothing was written
-    (padding rows store nothing); bfloat16 caches round to nearest even as torch does."""
+    (padding rows store nothing); bfloat16 results round to nearest even as torch's do."""
     case = rotary_case(num_tokens, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
-                       rot=rot, cache_dtype=cache_dtype, seed=num_tokens)
+                       rot=rot, dtype=dtype, cache_dtype=cache_dtype, seed=num_tokens)
     (out, k_cache, v_cache), (ref, k_ref, v_ref) = both_ways(case)
     assert out.shape == ref.shape and out.is_contiguous()
     assert torch.equal(out, ref)
@@ -155,9 +176,10 @@ def test_rotary_write_kv_takes_the_kernel_where_it_applies(monkeypatch):
     q, k, v, positions, cos_sin, k_cache, v_cache, slots = rotary_case(5)
     rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
     assert calls == [1]
-    # float16 rows: the torch ops
-    half = [t.half() for t in (q, k, v)]
-    assert real(*half, positions, cos_sin, k_cache, v_cache, slots) is None
+    # float16 rows, or bfloat16 rows into a float32 cache: the torch ops
+    for dtype in (torch.float16, torch.bfloat16):
+        rows = [t.to(dtype) for t in (q, k, v)]
+        assert real(*rows, positions, cos_sin, k_cache, v_cache, slots) is None
 
 
 @pytest.mark.parametrize("field, bad", [("position", 4096), ("position", -1), ("slot", 10**6)])
@@ -171,3 +193,40 @@ def test_out_of_bounds_is_an_error_not_a_stray_write(field, bad):
     assert k_cache.isnan().all() and v_cache.isnan().all()
     with pytest.raises(IndexError):
         rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_engine_with_the_kernels_and_without(dtype, tmp_path, monkeypatch):
+    """A tiny Llama served greedily (chunked prefills beside decodes): the kernels run, and
+    the logits are the torch ops' (float32 to rounding; bfloat16 to the rare norm a rounding
+    step away), the tokens the same."""
+    from heron.core.sampling_params import SamplingParams
+    from tests.engine_utils import LogitsRecorder, make_engine
+    from tests.tiny_models import build_tiny
+
+    build_tiny("llama", tmp_path)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 40, 12)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run():
+        engine = make_engine(tmp_path, **{"model.dtype": dtype,
+                                          "engine.max_num_batched_tokens": 16})
+        recorder = LogitsRecorder(engine)
+        outs = engine.generate(prompts, params)
+        return [o.outputs[0].token_ids for o in outs], recorder.rows
+
+    calls = []
+    for name in ("_compiled_rms_norm", "_compiled_rotary_write_kv"):
+        module = norm if name == "_compiled_rms_norm" else attention
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name:
+                            calls.append(name) or real(*a))
+    tokens, rows = run()
+    assert set(calls) == {"_compiled_rms_norm", "_compiled_rotary_write_kv"}
+    monkeypatch.setattr(norm, "_compiled_rms_norm", lambda *a: None)
+    monkeypatch.setattr(attention, "_compiled_rotary_write_kv", lambda *a: None)
+    ref_tokens, ref_rows = run()
+    assert tokens == ref_tokens and rows.keys() == ref_rows.keys()
+    worst = max((rows[key].double() - ref_rows[key].double()).abs().max() for key in rows)
+    assert worst <= (1e-4 if dtype == "float32" else 0.1), worst

@@ -308,11 +308,12 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
 
 def _compiled_rotary_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                               slot_mapping):
-    """`rotary_write_kv_ref` of float32 CPU rows by the compiled kernel; None where it does
-    not apply or is not built."""
+    """`rotary_write_kv_ref` by the compiled kernel: float32 rows into float32 or bfloat16
+    caches, bfloat16 rows into bfloat16 caches; None where it does not apply or is not
+    built."""
     head_dim = q.shape[-1]
-    if not (q.dtype == k.dtype == v.dtype == cos_sin_cache.dtype == torch.float32
-            and k_cache.dtype in (torch.float32, torch.bfloat16)
+    if not (q.dtype == k.dtype == v.dtype and cos_sin_cache.dtype == torch.float32
+            and (q.dtype, k_cache.dtype) in _ROTARY_DTYPES
             and k_cache.dtype == v_cache.dtype and cos_sin_cache.shape[-1] <= head_dim
             and k_cache.shape == v_cache.shape and k_cache.shape[-2:] == k.shape[1:]
             and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -321,7 +322,7 @@ def _compiled_rotary_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cach
             and positions.dtype == slot_mapping.dtype == torch.int64
             and positions.is_contiguous() and slot_mapping.is_contiguous()):
         return None
-    lib = _rotary_kernel(k_cache.dtype)
+    lib = _rotary_kernel(q.dtype, k_cache.dtype)
     if lib is None:
         return None
     out = torch.empty(q.shape, dtype=q.dtype)
@@ -334,12 +335,17 @@ def _compiled_rotary_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cach
     return None if failed else out  # out of bounds: the torch ops say where
 
 
+# (rows, caches) the compiled rotary takes, and the define that builds it for them
+_ROTARY_DTYPES = {(torch.float32, torch.float32): {},
+                  (torch.float32, torch.bfloat16): {"CACHE_BF16": 1},
+                  (torch.bfloat16, torch.bfloat16): {"ACT_BF16": 1}}
+
+
 @functools.cache
-def _rotary_kernel(cache_dtype: torch.dtype):
-    """The compiled rotary-and-KV-write for caches of ``cache_dtype``, its argument types
-    set; None if not built."""
-    lib = cpu_kernels.load("rotary_cpu.cpp",
-                           {"CACHE_BF16": 1} if cache_dtype == torch.bfloat16 else {})
+def _rotary_kernel(dtype: torch.dtype, cache_dtype: torch.dtype):
+    """The compiled rotary-and-KV-write of ``dtype`` rows into caches of ``cache_dtype``,
+    its argument types set; None if not built."""
+    lib = cpu_kernels.load("rotary_cpu.cpp", _ROTARY_DTYPES[dtype, cache_dtype])
     if lib is None:
         return None
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64

@@ -3,15 +3,16 @@
 // and k, four products, two concatenations, two index copies), which on a decode step's few
 // rows cost more in dispatch than in arithmetic.
 //
-// q [T, Hq, D], k and v [T, Hkv, D] float32: token rows q_stride / k_stride / v_stride
-// apart (views of the fused qkv projection), heads D apart. positions [T], slot_mapping [T]
-// int64; cos_sin [max_position, rot] float32 (cos of each of rot / 2 frequencies, then sin).
-// q_out [T, Hq, D] contiguous float32; k_cache, v_cache [num_slots, Hkv, D] contiguous,
-// float32, or bfloat16 with CACHE_BF16 defined (rounded to nearest even, as torch does).
+// q [T, Hq, D], k and v [T, Hkv, D]: token rows q_stride / k_stride / v_stride apart (views
+// of the fused qkv projection), heads D apart. positions [T], slot_mapping [T] int64;
+// cos_sin [max_position, rot] float32 (cos of each of rot / 2 frequencies, then sin).
+// q_out [T, Hq, D] contiguous, of q's type; k_cache, v_cache [num_slots, Hkv, D] contiguous.
+// q, k, v, q_out and the caches float32; or the caches bfloat16 (CACHE_BF16 defined); or all
+// bfloat16 (ACT_BF16 defined). A bfloat16 result rounds to nearest even, as torch's does.
 //
 // The first rot dims of each head rotate as halves (x1, x2) -> (x1 cos - x2 sin,
-// x2 cos + x1 sin), the rest pass through: the rotated q goes to q_out, the rotated k and v
-// to their token's slot. A negative slot (padding) stores nothing. Returns -1, having done
+// x2 cos + x1 sin) in float32, the rest pass through: the rotated q goes to q_out, the
+// rotated k and v to their token's slot. A negative slot (padding) stores nothing. Returns -1, having done
 // nothing, if a position is past the table or a slot past the caches, else 0.
 
 #include <cstdint>
@@ -27,42 +28,56 @@
 
 namespace {
 
-inline void put(float *out, float x) { *out = x; }
+typedef uint16_t bf16_t;  // bfloat16: a float32's upper half
 
-#ifdef CACHE_BF16
-typedef uint16_t cache_t;  // bfloat16: a float32's upper half
-inline void put(cache_t *out, float x)
+inline float widen(float x) { return x; }
+inline float widen(bf16_t h)
+{
+    const uint32_t bits = (uint32_t)h << 16;
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    return x;
+}
+inline void put(float *out, float x) { *out = x; }
+inline void put(bf16_t *out, float x)  // NaN to torch's quiet NaN, the bits of its conversion
 {
     uint32_t bits;
     std::memcpy(&bits, &x, sizeof bits);
-    *out = (bits & 0x7fffffffu) > 0x7f800000u
-        ? (cache_t)((bits >> 16) | 0x40)  // NaN stays NaN (quiet)
-        : (cache_t)((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
+    *out = x != x ? 0x7fc0 : (bf16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
+
+#ifdef ACT_BF16
+#define CACHE_BF16 1
+typedef bf16_t act_t;
+#else
+typedef float act_t;
+#endif
+#ifdef CACHE_BF16
+typedef bf16_t cache_t;
 #else
 typedef float cache_t;
 #endif
 
-// The rotated head row `x` into `out` (float32 or cache elements).
+// The rotated head row `x` into `out` (q_out's or the cache's elements).
 template <typename T>
-inline void rotate(const float *x, const float *cos, const float *sin, int half, int dim, T *out)
+inline void rotate(const act_t *x, const float *cos, const float *sin, int half, int dim, T *out)
 {
     for (int i = 0; i < half; ++i) {
-        const float x1 = x[i], x2 = x[half + i];
+        const float x1 = widen(x[i]), x2 = widen(x[half + i]);
         put(out + i, x1 * cos[i] - x2 * sin[i]);
         put(out + half + i, x2 * cos[i] + x1 * sin[i]);
     }
     for (int i = 2 * half; i < dim; ++i)
-        put(out + i, x[i]);
+        put(out + i, widen(x[i]));
 }
 
 }  // namespace
 
 extern "C" int heron_rotary_write_kv(
-    const float *q, int64_t q_stride, const float *k, int64_t k_stride, const float *v,
+    const act_t *q, int64_t q_stride, const act_t *k, int64_t k_stride, const act_t *v,
     int64_t v_stride, const int64_t *positions, const float *cos_sin, int64_t num_positions,
     int rot, const int64_t *slot_mapping, int64_t num_slots, int64_t num_tokens, int q_heads,
-    int kv_heads, int dim, float *q_out, cache_t *k_cache, cache_t *v_cache)
+    int kv_heads, int dim, act_t *q_out, cache_t *k_cache, cache_t *v_cache)
 {
     for (int64_t t = 0; t < num_tokens; ++t)  // nothing is read or written out of bounds
         if (positions[t] < 0 || positions[t] >= num_positions || slot_mapping[t] >= num_slots)
@@ -81,7 +96,7 @@ extern "C" int heron_rotary_write_kv(
         for (int h = 0; h < kv_heads; ++h) {
             rotate(k + t * k_stride + h * dim, cos, sin, half, dim, k_row + h * dim);
             for (int i = 0; i < dim; ++i)
-                put(v_row + h * dim + i, v[t * v_stride + h * dim + i]);
+                put(v_row + h * dim + i, widen(v[t * v_stride + h * dim + i]));
         }
     }
     return 0;
