@@ -6,7 +6,9 @@ kernels are tested against. On the CPU, attention goes to compiled kernels
 (``kernels/paged_attention_cpu.cpp``: one for decode rows, one for prompts, both reading the
 blocks in place) where the metadata asks for them and they apply (float32 or bfloat16
 caches, head sizes a multiple of 16); the torch ops gather whole blocks into the step's
-`Workspace` first, which costs about as much as attending to them. A step's decode rows
+`Workspace` first, which costs about as much as attending to them. The rotary embedding
+with the KV write goes to one too (``kernels/rotary_cpu.cpp``) wherever it builds: a decode
+step's dozen small torch ops for it cost more in dispatch than in arithmetic. A step's decode rows
 beside a prompt chunk attend in one call, and with the torch ops a decode batch whose
 sequences share a long prefix reads it once (`SharedPrefixPlan`).
 """
@@ -326,12 +328,12 @@ def _compiled_rotary_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cach
     if lib is None:
         return None
     out = torch.empty(q.shape, dtype=q.dtype)
+    num_slots = k_cache.numel() // (k.shape[1] * head_dim)
     failed = lib.heron_rotary_write_kv(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0],
-        cos_sin_cache.shape[1], slot_mapping.data_ptr(), k_cache.numel() // (k.shape[1] * head_dim),
-        q.shape[0], q.shape[1], k.shape[1], head_dim, out.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr())
+        cos_sin_cache.shape[1], slot_mapping.data_ptr(), num_slots, q.shape[0], q.shape[1],
+        k.shape[1], head_dim, out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
     return None if failed else out  # out of bounds: the torch ops say where
 
 

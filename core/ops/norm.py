@@ -1,8 +1,9 @@
 """RMSNorm with an optional fused residual add.
 
 On the CPU, float32 and bfloat16 rows go to a compiled kernel (``kernels/norm_cpu.cpp``)
-where one can be built: torch's six ops per norm cost more in dispatch than in arithmetic on a decode step's
-few rows (a SmolLM2-135M decode step of one sequence spent 1.2 of its 17.5 ms in them).
+where one can be built: torch's seven ops per norm cost more in dispatch than in arithmetic on
+a decode step's few rows (a SmolLM2-135M decode step of one sequence spent 1.2 of its 17.5 ms
+in them), and on a long prompt's rows its float32 path took 20 times the kernel's time.
 """
 
 from __future__ import annotations

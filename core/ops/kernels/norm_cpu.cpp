@@ -1,7 +1,7 @@
 // RMSNorm on the CPU with the residual add fused (heron_rms_norm): one pass over each row.
 //
-// torch spends six ops on it (add, pow, mean, add, rsqrt, two muls); with a decode step's few
-// rows each costs more in dispatch than in arithmetic, and a layer runs two of them.
+// torch spends up to seven ops on it (add, pow, mean, add, rsqrt, two muls); with a decode
+// step's few rows each costs more in dispatch than in arithmetic, and a layer runs two of them.
 //
 // x [rows, n], rows x_stride apart, elements contiguous; residual the same with res_stride,
 // or null; weight [n]; out and residual_out [rows, n] contiguous (residual_out unused without

@@ -12,8 +12,8 @@
 //
 // The first rot dims of each head rotate as halves (x1, x2) -> (x1 cos - x2 sin,
 // x2 cos + x1 sin) in float32, the rest pass through: the rotated q goes to q_out, the
-// rotated k and v to their token's slot. A negative slot (padding) stores nothing. Returns -1, having done
-// nothing, if a position is past the table or a slot past the caches, else 0.
+// rotated k and v to their token's slot. A negative slot (padding) stores nothing. Returns
+// -1, having done nothing, if a position is past the table or a slot past the caches, else 0.
 
 #include <cstdint>
 #include <cstring>
