@@ -253,39 +253,32 @@ extern "C" int heron_decode_attention(
 // whose CPU kernel then reads the keys once per query head. Here a task is one KV head of
 // a tile of TILE_ROWS / G consecutive query positions: the tile's G query heads per position
 // become the rows of one matrix, so each key is read once for all of them (rows rounded up
-// to a multiple of SR repeat the last position; their outputs are dropped). Keys go by in
-// tiles of 16, transposed into a [D, 16] block so a row's 16 scores are one vector; the
-// softmax is online (a running max and sum per row).
+// to a multiple of TILE_ROWS repeat the last position; their outputs are dropped). The
+// queries are transposed once per task into [D, rows], so that a vector holds 16 rows: a
+// key's scores against them are FMAs of the key's elements, broadcast, with no transposed
+// keys, and the online softmax (running max and sum per row) works on whole vectors.
 
 namespace {
 
-constexpr int KEYS = 16;        // keys per tile: one vector of scores per row
-constexpr int TILE_ROWS = 64;   // query rows (positions x G) per task, about
-constexpr int SR = 8;           // rows per block of the scores product
-constexpr int PR = 4;           // rows per block of the values product
-
-inline float hmax(v16 x)
-{
-    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
-    v8 b = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    a = a > b ? a : b;
-    v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    c = c > d ? c : d;
-    const float x0 = c[0] > c[1] ? c[0] : c[1], x1 = c[2] > c[3] ? c[2] : c[3];
-    return x0 > x1 ? x0 : x1;
-}
+constexpr int KEYS = 16;        // keys per tile
+constexpr int TILE_ROWS = 64;   // query rows (positions x G) per task: four vectors
+constexpr int KB = 4;           // keys per block of the scores product
+constexpr int RB = 4;           // row vectors per block of the scores product
+constexpr int PR = NV <= 4 ? 4 : 2;  // rows per block of the values product
 
 struct Tile {
-    float *q;    // [rows, D]: the queries, times the scale
-    float *o;    // [rows, D]: the output, unnormalized
-    float *p;    // [rows, KEYS]: scores, then weights
-    float *m;    // [rows]: running max
-    v16 *l;      // [rows]: running sums, lane-wise
-    int *limit;  // [rows]: keys < limit are visible
-    float *kt;   // [D, KEYS]: a key tile, transposed
+    float *qt;     // [D, rows]: the queries, times the scale, transposed
+    float *o;      // [rows, D]: the output, unnormalized
+    float *p;      // [KEYS, rows]: scores, then weights
+    float *k;      // [KEYS, D]: a tile's keys, as float32
+    float *m;      // [rows]: running max
+    float *l;      // [rows]: running sum
+    float *alpha;  // [rows]: how much the running max moved this tile (exp of it)
+    int *limit;    // [rows]: keys < limit are visible
 };
 
-// The rows [0, rows) of tile `t` (rows a multiple of SR) over keys [0, k_end) of a sequence.
+// The rows [0, rows) of tile `t` (rows a multiple of 16 * RB) over keys [0, k_end) of a
+// sequence.
 void attend_tile(Tile t, int rows, const cache_t *k_cache, const cache_t *v_cache,
                  const int32_t *table, int bs, int h, int H, int k_end)
 {
@@ -294,51 +287,68 @@ void attend_tile(Tile t, int rows, const cache_t *k_cache, const cache_t *v_cach
     const int min_limit = t.limit[0];
     for (int j0 = 0; j0 < k_end; j0 += KEYS) {
         const int n = k_end - j0 < KEYS ? k_end - j0 : KEYS;
-        for (int j = 0; j < KEYS; ++j) {  // transpose the keys, note the values' rows
+        for (int j = 0; j < KEYS; ++j) {  // the keys as float32 rows, the values' rows
+            float *kj = t.k + j * D;
             if (j < n) {
                 const int key = j0 + j;
                 const int64_t at = ((int64_t)table[key / bs] * bs + key % bs) * row + h * D;
                 vrow[j] = v_cache + at;
-                for (int d = 0; d < D; ++d) t.kt[d * KEYS + j] = load_scalar(k_cache + at + d);
-            } else {  // past the keys: masked lanes (the values loop stops at n)
-                for (int d = 0; d < D; ++d) t.kt[d * KEYS + j] = 0.f;
+                for (int c = 0; c < NV; ++c) store(kj + c * 16, load_cache(k_cache + at + c * 16));
+            } else {  // past the keys: masked (the values loop stops at n)
+                for (int c = 0; c < NV; ++c) store(kj + c * 16, v16{});
             }
         }
-        const bool masked = j0 + KEYS > min_limit;
-        for (int r0 = 0; r0 < rows; r0 += SR) {  // scores
-            v16 s[SR] = {};
-            for (int d = 0; d < D; ++d) {
-                const v16 k = load(t.kt + d * KEYS);
-                for (int i = 0; i < SR; ++i) s[i] += t.q[(r0 + i) * D + d] * k;
-            }
-            const v16i key = v16i{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + j0;
-            for (int i = 0; i < SR; ++i) {
-                // every row sees key 0, so its max is a real logit from the first tile on
-                const int r = r0 + i;
-                if (masked) s[i] = key < t.limit[r] ? s[i] : v16{} - FLT_MAX;
-                const float mx = hmax(s[i]), m_new = mx > t.m[r] ? mx : t.m[r];
-                v16 e = vexp(s[i] - m_new);
-                if (masked) e = key < t.limit[r] ? e : v16{};  // vexp stops at exp(-87), not 0
-                store(t.p + r * KEYS, e);
-                if (m_new > t.m[r]) {
-                    const float alpha = std::exp(t.m[r] - m_new);
-                    t.l[r] *= alpha;
-                    for (int c = 0; c < NV; ++c)
-                        store(t.o + r * D + c * 16, load(t.o + r * D + c * 16) * alpha);
-                    t.m[r] = m_new;
+        for (int r0 = 0; r0 < rows; r0 += 16 * RB)  // scores: p[j, r] = k_j . q_r
+            for (int jb = 0; jb < KEYS; jb += KB) {
+                v16 s[KB][RB] = {};
+                for (int d = 0; d < D; ++d) {
+                    v16 q[RB];
+                    for (int b = 0; b < RB; ++b) q[b] = load(t.qt + d * rows + r0 + b * 16);
+                    for (int j = 0; j < KB; ++j) {
+                        const float kd = t.k[(jb + j) * D + d];
+                        for (int b = 0; b < RB; ++b) s[j][b] += kd * q[b];
+                    }
                 }
-                t.l[r] += e;
+                for (int j = 0; j < KB; ++j)
+                    for (int b = 0; b < RB; ++b)
+                        store(t.p + (jb + j) * rows + r0 + b * 16, s[j][b]);
             }
+        const bool masked = j0 + KEYS > min_limit;
+        for (int r = 0; r < rows; r += 16) {  // softmax weights, online
+            const v16i limit = *reinterpret_cast<const v16i *>(t.limit + r);
+            v16 mx = load(t.m + r);
+            const v16 m_old = mx;
+            for (int j = 0; j < KEYS; ++j) {
+                v16 sj = load(t.p + j * rows + r);
+                if (masked) {
+                    sj = j0 + j < limit ? sj : v16{} - FLT_MAX;
+                    store(t.p + j * rows + r, sj);
+                }
+                mx = sj > mx ? sj : mx;
+            }
+            // every row sees key 0, so its max is a real logit from the first tile on
+            const v16 alpha = vexp(m_old - mx);  // m_old -FLT_MAX: exp(-87), times nothing
+            v16 sum = load(t.l + r) * alpha;
+            for (int j = 0; j < KEYS; ++j) {
+                v16 e = vexp(load(t.p + j * rows + r) - mx);
+                if (masked) e = j0 + j < limit ? e : v16{};  // vexp stops at exp(-87), not 0
+                store(t.p + j * rows + r, e);
+                sum += e;
+            }
+            store(t.m + r, mx);
+            store(t.l + r, sum);
+            store(t.alpha + r, alpha);
         }
-        for (int r0 = 0; r0 < rows; r0 += PR) {  // weighted values
+        for (int r0 = 0; r0 < rows; r0 += PR) {  // weighted values, the old sums rescaled
             v16 o[PR][NV];
             for (int i = 0; i < PR; ++i)
-                for (int c = 0; c < NV; ++c) o[i][c] = load(t.o + (r0 + i) * D + c * 16);
+                for (int c = 0; c < NV; ++c)
+                    o[i][c] = load(t.o + (r0 + i) * D + c * 16) * t.alpha[r0 + i];
             for (int j = 0; j < n; ++j) {
                 v16 v[NV];
                 for (int c = 0; c < NV; ++c) v[c] = load_cache(vrow[j] + c * 16);
                 for (int i = 0; i < PR; ++i) {
-                    const float w = t.p[(r0 + i) * KEYS + j];
+                    const float w = t.p[j * rows + r0 + i];
                     for (int c = 0; c < NV; ++c) o[i][c] += w * v[c];
                 }
             }
@@ -359,7 +369,7 @@ extern "C" int heron_prefill_attention(
 {
     const int H = num_kv_heads, G = group, Hq = H * G, B = num_seqs;
     const int positions = TILE_ROWS / G > 0 ? TILE_ROWS / G : 1;
-    const int rows = (positions * G + SR - 1) / SR * SR;
+    const int rows = (positions * G + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
     // task i: KV head i % H of the tile of positions starting at tile_start[i / H]
     int num_tiles = 0;
     for (int b = 0; b < B; ++b)
@@ -378,7 +388,7 @@ extern "C" int heron_prefill_attention(
     int failed = 0;
     #pragma omp parallel
     {
-        const size_t floats = (size_t)rows * (2 * D + KEYS + 1 + 16) + D * KEYS + rows;
+        const size_t floats = (size_t)rows * (2 * D + KEYS + 4) + KEYS * D;
         float *scratch = static_cast<float *>(std::aligned_alloc(64, (floats * 4 + 63) / 64 * 64));
         if (scratch == nullptr) {
             #pragma omp atomic write
@@ -386,13 +396,14 @@ extern "C" int heron_prefill_attention(
         }
         Tile t;
         if (scratch != nullptr) {
-            t.l = reinterpret_cast<v16 *>(scratch);
-            t.q = scratch + rows * 16;
-            t.o = t.q + rows * D;
+            t.qt = scratch;
+            t.o = t.qt + rows * D;
             t.p = t.o + rows * D;
-            t.kt = t.p + rows * KEYS;
-            t.m = t.kt + D * KEYS;
-            t.limit = reinterpret_cast<int *>(t.m + rows);
+            t.k = t.p + KEYS * rows;
+            t.m = t.k + KEYS * D;
+            t.l = t.m + rows;
+            t.alpha = t.l + rows;
+            t.limit = reinterpret_cast<int *>(t.alpha + rows);
         }
         #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < num_tiles * H; ++task) {
@@ -403,18 +414,18 @@ extern "C" int heron_prefill_attention(
             const float *qb = q + ((int64_t)(query_starts[b] + p0) * Hq + h * G) * D;
             for (int r = 0; r < rows; ++r) {
                 const int p = r / G < np ? r / G : np - 1, g = r % G;  // padding: the last row
-                for (int c = 0; c < NV; ++c)
-                    store(t.q + r * D + c * 16, load(qb + (p * Hq + g) * D + c * 16) * scale);
+                const float *qr = qb + (p * Hq + g) * D;
+                for (int d = 0; d < D; ++d) t.qt[d * rows + r] = qr[d] * scale;
                 std::memset(t.o + r * D, 0, sizeof(float) * D);
                 t.m[r] = -FLT_MAX;
-                t.l[r] = v16{};
+                t.l[r] = 0.f;
                 t.limit[r] = L - n + p0 + p + 1;
             }
             attend_tile(t, rows, k_cache, v_cache, block_tables + b * table_stride, block_size,
                         h, H, L - n + p0 + np);
             for (int r = 0; r < np * G; ++r) {
                 const int p = r / G, g = r % G;
-                const float inv = 1.f / hsum(t.l[r]);
+                const float inv = 1.f / t.l[r];
                 float *ob = out + ((int64_t)(query_starts[b] + p0 + p) * Hq + h * G + g) * D;
                 for (int c = 0; c < NV; ++c) store(ob + c * 16, load(t.o + r * D + c * 16) * inv);
             }
