@@ -10,8 +10,8 @@ Systems (a peer that is not set up is skipped, saying why; ``bench/peers/setup_*
   as its CPU docs advise (tcmalloc and Intel OpenMP preloaded, OpenMP threads bound to the
   cores);
 - llama.cpp's ``llama-server`` on the Q4_1 GGUF and on an F32 GGUF of the same weights;
-- ``transformers serve`` (continuous batching), fp32 (``--dtype``), on the HF directory; it has no
-  ``ignore_eos``, so it serves a copy whose generation config has no EOS.
+- ``transformers serve`` (continuous batching), fp32 (``--dtype``), on the HF directory; it
+  has no ``ignore_eos``, so it serves a copy whose generation config has no EOS.
 
 Every system runs its model math on ``--threads`` threads (default: all cores). The whole
 sequence runs ``--rounds`` times (default 2) and each system's best round counts: a noisy
@@ -278,7 +278,7 @@ def main() -> None:
     parser.add_argument("--workload", default="short-chat")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", choices=sorted(PRECISION), default="float32",
-                        help="heron's, vLLM's and transformers' (llama.cpp: its GGUFs')")
+                        help="of heron, vLLM and transformers (llama.cpp runs its GGUFs' own)")
     parser.add_argument("--requests-per-client", type=int, default=3,
                         help="requests per concurrency level = this x concurrency (at least 4)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
