@@ -2,13 +2,14 @@
 system's C++ compiler, cached on disk and loaded through ctypes.
 
 A CPU kernel is an ``extern "C"`` function over raw pointers in ``core/ops/kernels/*_cpu.cpp``,
-configured by ``-DNAME=VALUE`` defines like the CUDA kernels. It is built for the machine
-it runs on (``-march=native``), with OpenMP where the compiler has it. The torch ops stay the
+configured by ``-DNAME=VALUE`` defines like the CUDA kernels; what the sources share is in
+headers beside them (``*.h``). It is built for the machine it runs on (``-march=native``),
+with OpenMP where the compiler has it. The torch ops stay the
 reference and the fallback: `load` returns None where there is no compiler or a build fails
 (logged once per source and defines), and the caller goes on with torch.
 
 Builds land in ``$HERON_KERNEL_CACHE`` (default ``~/.cache/heron/cpu-kernels``), named by a
-hash of everything that goes into them, written to a temporary name and renamed, so
+hash of everything that goes into them (the headers beside the source included), written to a temporary name and renamed, so
 processes building the same library at once never load half a file.
 """
 
@@ -70,8 +71,11 @@ def _build(path: Path, defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL | No
     try:
         version = subprocess.run([*cxx, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
+        # the headers beside the source (which it may include) go into the name too
+        headers = [h.read_text() for h in sorted(path.parent.glob("*.h"))]
         digest = hashlib.sha256("\0".join(
-            (path.read_text(), *cxx, version, _cpu_id(), *flags)).encode()).hexdigest()[:24]
+            (path.read_text(), *headers, *cxx, version, _cpu_id(), *flags)
+        ).encode()).hexdigest()[:24]
         target = cache_dir() / f"{path.stem}-{digest}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)

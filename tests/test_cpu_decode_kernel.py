@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 import pytest
 import torch
@@ -189,6 +190,21 @@ def test_a_build_is_cached_on_disk_and_in_the_process(fresh_loader):
     assert built.stat().st_mtime_ns == stamp
     assert cpu_kernels.load("paged_attention_cpu.cpp", {"HEAD_DIM": 64}) is not None
     assert len(list(fresh_loader.iterdir())) == 2  # another define set, another library
+
+
+def test_a_changed_header_builds_anew(fresh_loader, tmp_path_factory, monkeypatch):
+    """A library's name hashes the headers beside its source too, so editing a shared
+    header rebuilds the kernels that include it rather than loading a stale build."""
+    sources = tmp_path_factory.mktemp("kernels")
+    for f in ("norm_cpu.cpp", "vec_cpu.h"):
+        shutil.copy(cpu_kernels.KERNEL_DIR / f, sources / f)
+    monkeypatch.setattr(cpu_kernels, "KERNEL_DIR", sources)
+    assert cpu_kernels.load("norm_cpu.cpp") is not None
+    cpu_kernels._LIBRARIES.clear()
+    with (sources / "vec_cpu.h").open("a") as header:
+        header.write("// edited\n")
+    assert cpu_kernels.load("norm_cpu.cpp") is not None
+    assert len(list(fresh_loader.iterdir())) == 2
 
 
 def test_no_compiler_means_the_torch_ops(fresh_loader, monkeypatch, caplog):

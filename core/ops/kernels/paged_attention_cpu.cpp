@@ -28,6 +28,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "vec_cpu.h"
+
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"
 #endif
@@ -38,44 +40,12 @@ namespace {
 constexpr int D = HEAD_DIM;
 constexpr int NV = D / 16;  // vectors per head row
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-inline v16 load(const float *p) { return *reinterpret_cast<const v16u *>(p); }
-inline void store(float *p, v16 x) { *reinterpret_cast<v16u *>(p) = x; }
-
 #ifdef CACHE_BF16
-typedef uint16_t cache_t;  // bfloat16: a float32's upper half
-typedef uint16_t v16h __attribute__((vector_size(32), aligned(2), may_alias));
-inline v16 load_cache(const cache_t *p)
-{
-    v16i wide = __builtin_convertvector(*reinterpret_cast<const v16h *>(p), v16i) << 16;
-    return (v16)wide;
-}
-inline float load_scalar(const cache_t *p)
-{
-    const uint32_t bits = (uint32_t)*p << 16;
-    float x;
-    std::memcpy(&x, &bits, sizeof x);
-    return x;
-}
+typedef bf16_t cache_t;  // widened to float32 as it loads
 #else
 typedef float cache_t;
-inline v16 load_cache(const cache_t *p) { return load(p); }
-inline float load_scalar(const cache_t *p) { return *p; }
 #endif
 constexpr int LINE = 64 / sizeof(cache_t);  // cache elements a cache line holds
-
-inline float hsum(v16 x)
-{
-    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
-         + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
 
 // exp for x <= 0 (logits minus their max), relative error ~2e-7: x = k ln2 + r with
 // |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial, 2^k through the exponent bits.
@@ -131,7 +101,7 @@ void attend_part(Sequence seq, const cache_t *k_cache, const cache_t *v_cache, i
     for_each_key(k_cache, seq.table, k0, k1, bs, row, [&](int j, const cache_t *k) {
         for (int h = 0; h < H; ++h) {  // scores
             v16 kv[NV];
-            for (int c = 0; c < NV; ++c) kv[c] = load_cache(k + h * D + c * 16);
+            for (int c = 0; c < NV; ++c) kv[c] = load(k + h * D + c * 16);
             for (int g = 0; g < G; ++g) {
                 const float *qh = seq.q + (h * G + g) * D;
                 v16 dot = load(qh) * kv[0];
@@ -160,7 +130,7 @@ void attend_part(Sequence seq, const cache_t *k_cache, const cache_t *v_cache, i
     for_each_key(v_cache, seq.table, k0, k1, bs, row, [&](int j, const cache_t *v) {
         for (int h = 0; h < H; ++h) {  // weighted values
             v16 vv[NV];
-            for (int c = 0; c < NV; ++c) vv[c] = load_cache(v + h * D + c * 16);
+            for (int c = 0; c < NV; ++c) vv[c] = load(v + h * D + c * 16);
             for (int g = 0; g < G; ++g) {
                 const float p = s[(h * G + g) * stride + j - k0];
                 float *o = acc + (h * G + g) * D;
@@ -293,7 +263,7 @@ void attend_tile(Tile t, int rows, const cache_t *k_cache, const cache_t *v_cach
                 const int key = j0 + j;
                 const int64_t at = ((int64_t)table[key / bs] * bs + key % bs) * row + h * D;
                 vrow[j] = v_cache + at;
-                for (int c = 0; c < NV; ++c) store(kj + c * 16, load_cache(k_cache + at + c * 16));
+                for (int c = 0; c < NV; ++c) store(kj + c * 16, load(k_cache + at + c * 16));
             } else {  // past the keys: masked (the values loop stops at n)
                 for (int c = 0; c < NV; ++c) store(kj + c * 16, v16{});
             }
@@ -346,7 +316,7 @@ void attend_tile(Tile t, int rows, const cache_t *k_cache, const cache_t *v_cach
                     o[i][c] = load(t.o + (r0 + i) * D + c * 16) * t.alpha[r0 + i];
             for (int j = 0; j < n; ++j) {
                 v16 v[NV];
-                for (int c = 0; c < NV; ++c) v[c] = load_cache(vrow[j] + c * 16);
+                for (int c = 0; c < NV; ++c) v[c] = load(vrow[j] + c * 16);
                 for (int i = 0; i < PR; ++i) {
                     const float w = t.p[j * rows + r0 + i];
                     for (int c = 0; c < NV; ++c) o[i][c] += w * v[c];

@@ -16,7 +16,8 @@
 // -1, having done nothing, if a position is past the table or a slot past the caches, else 0.
 
 #include <cstdint>
-#include <cstring>
+
+#include "vec_cpu.h"
 
 // Each product rounds before the sum, as in torch's separate ops: the same bits as the torch
 // path, not a fused multiply-add's
@@ -27,24 +28,6 @@
 #endif
 
 namespace {
-
-typedef uint16_t bf16_t;  // bfloat16: a float32's upper half
-
-inline float widen(float x) { return x; }
-inline float widen(bf16_t h)
-{
-    const uint32_t bits = (uint32_t)h << 16;
-    float x;
-    std::memcpy(&x, &bits, sizeof x);
-    return x;
-}
-inline void put(float *out, float x) { *out = x; }
-inline void put(bf16_t *out, float x)  // NaN to torch's quiet NaN, the bits of its conversion
-{
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof bits);
-    *out = x != x ? 0x7fc0 : (bf16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
 
 #ifdef ACT_BF16
 #define CACHE_BF16 1
