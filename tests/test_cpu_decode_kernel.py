@@ -18,7 +18,7 @@ import heron.core.ops.attention as attention
 from heron.core import cpu_kernels
 from heron.core.ops import paged_attention_ref
 from tests.gpu.cases import make_paged_case
-from tests.test_cpu_prefill_kernel import prompt_case
+from tests.test_cpu_prefill_kernel import on_one_and_on_several_threads, prompt_case
 from tests.test_paged_attention import share_blocks, written_out
 
 
@@ -102,14 +102,7 @@ def test_the_same_output_on_any_number_of_threads(monkeypatch):
     monkeypatch.setattr(attention, "PART_KEYS_MAX", 128)
     case = decode_case([900, 33, 1, 250], num_q_heads=9, num_kv_heads=3, head_dim=64,
                        block_size=16, seed=5)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = compiled(case)
-        torch.set_num_threads(max(2, threads))
-        several = compiled(case)
-    finally:
-        torch.set_num_threads(threads)
+    one, several = on_one_and_on_several_threads(lambda: compiled(case))
     assert torch.equal(one, several)
 
 

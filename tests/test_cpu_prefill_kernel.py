@@ -25,6 +25,19 @@ def prompt_case(query_lens, seq_lens, *, num_q_heads=9, num_kv_heads=3, head_dim
     return case
 
 
+def on_one_and_on_several_threads(run):
+    """``(run(), run())``: torch (whose OpenMP pool the kernels share) on one thread, then on
+    several."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(max(2, threads))
+        return one, run()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def compiled(case) -> torch.Tensor:
     out = attention._compiled_prefill(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     assert out is not None, "the compiled prompt kernel did not run (is a C++ compiler there?)"
@@ -85,14 +98,7 @@ def test_peaked_and_flat_softmax(logit_scale):
 def test_the_same_output_on_any_number_of_threads():
     """Tasks race for threads, but each writes only its own rows: bit for bit the same."""
     case = prompt_case([200, 1, 64], [500, 30, 64], seed=5)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = compiled(case)
-        torch.set_num_threads(max(2, threads))
-        several = compiled(case)
-    finally:
-        torch.set_num_threads(threads)
+    one, several = on_one_and_on_several_threads(lambda: compiled(case))
     assert torch.equal(one, several)
 
 
