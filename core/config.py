@@ -68,6 +68,9 @@ class ModelConfig(_Section):
     # L2-normalize embeddings; unset: as the checkpoint's sentence-transformers modules
     # say (a Normalize module), else true
     normalize: bool | None = None
+    # a GGUF file's Q4_0 / Q4_1 / Q8_0 projection weights stay quantized on the CPU in
+    # float32 (`heron.core.ops.quantized`); false: every weight is dequantized at load
+    keep_quantized: bool = False
 
     def _checks(self):
         return (("max_model_len", self.max_model_len is None or self.max_model_len >= 1,

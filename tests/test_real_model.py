@@ -17,13 +17,28 @@ def engine(default_gguf_path):
 
 
 @pytest.fixture(scope="module")
+def kept_engine(default_gguf_path):
+    """Its Q4_1 projections and Q8_0 (tied) LM head kept quantized."""
+    from heron.core.ops.quantized import QuantizedWeight
+    engine = make_engine(default_gguf_path, **{"engine.max_num_batched_tokens": 16,
+                                               "model.keep_quantized": True})
+    model = engine.runner.model
+    assert all(isinstance(w, QuantizedWeight) for w in (
+        model.layers[0].attn.qkv, model.layers[0].attn.o, model.layers[-1].gate_up,
+        model.layers[-1].down, model.lm_head))
+    return engine
+
+
+@pytest.fixture(scope="module")
 def oracle(default_gguf_path):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(
         default_gguf_path.parent, gguf_file=default_gguf_path.name, dtype=torch.float32).eval()
 
 
-def test_chat_prompt_logits_and_greedy_tokens_match_transformers(engine, oracle):
+@pytest.mark.parametrize("served", ["engine", "kept_engine"])
+def test_chat_prompt_logits_and_greedy_tokens_match_transformers(served, oracle, request):
+    engine = request.getfixturevalue(served)
     prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(QUESTION))
     recorder = LogitsRecorder(engine)  # prefill is chunked: 16 tokens per step
     out = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0,

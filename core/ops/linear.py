@@ -10,13 +10,16 @@ projection reads half the bytes (a 4096 x 576 one at 1 row: 82 us fp32, 57 us bf
 through `F.linear`). `linear` multiplies with either kind. On CUDA a weight keeps its
 values and shape but may be laid out column-major (`CUDA_WEIGHT_LAYOUT`), which cuBLAS
 multiplies with other kernels. Other devices and dtypes, and torch builds without oneDNN,
-keep the plain weight and `F.linear`.
+keep the plain weight and `F.linear`. A GGUF weight kept in its quantized blocks
+(`QuantizedWeight`) is its own layout: `linear` multiplies it with `quantized_linear`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from heron.core.ops.quantized import QuantizedWeight, quantized_linear
 
 # The row count oneDNN tunes the packed layout for; any count works with it.
 _PACK_ROWS = 32
@@ -41,13 +44,15 @@ def pack_weight(w: torch.Tensor | None) -> torch.Tensor | None:
     has ``shape`` but no strides: use it only through `linear`."""
     if w is not None and w.is_cuda and w.dim() == 2 and CUDA_WEIGHT_LAYOUT == "column":
         return w.t().contiguous().t()
-    if w is None or not can_pack(w):
+    if w is None or isinstance(w, QuantizedWeight) or not can_pack(w):
         return w
     return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
 
 
 def unpack_weight(w: torch.Tensor) -> torch.Tensor:
-    """A plain tensor with the values of a `pack_weight`-ed (or plain) ``w``."""
+    """A plain tensor with the values of a `pack_weight`-ed (or plain, or quantized) ``w``."""
+    if isinstance(w, QuantizedWeight):
+        return w.dequantize()
     return w.to_dense() if w.is_mkldnn else w
 
 
@@ -57,6 +62,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     ``relu`` (fused into the GEMM of a packed weight: no second pass over a wide output).
     A weight of another dtype than ``x`` (a drafter's bf16 weights among fp32 activations)
     multiplies ``x`` cast to its dtype, and the result comes back in ``x``'s."""
+    if isinstance(w, QuantizedWeight):
+        y = quantized_linear(x, w, bias)
+        return F.relu(y) if relu else y
     if w.dtype != x.dtype:
         return linear(x.to(w.dtype), w, None if bias is None else bias.to(w.dtype),
                       relu).to(x.dtype)

@@ -16,6 +16,11 @@ Contract of `load_gguf(path) -> (hf_config, state_dict, tokenizer)`:
   - ``tokenizer`` is a `heron.core.tokenizer.Tokenizer`, or None (with a warning) when the
     file has no tokenizer heron can build;
   - an unknown architecture, tensor name or quantization type raises ValueError naming it.
+
+With ``keep_quantized``, projection weights (and the LM head, tied or not) of the types
+`heron.core.ops.quantized` multiplies (Q4_0, Q4_1, Q8_0) stay in their blocks as
+`QuantizedWeight`s where its kernel builds; the embeddings stay float32 as well, since a
+lookup reads them row by row.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from heron.core.model_loader import read_gguf
+from heron.core.ops.quantized import QuantizedWeight, kernel_available
 from heron.core.tokenizer import Tokenizer
 
 __all__ = ["dequantize_tensor", "gguf_config", "load_gguf"]
@@ -169,8 +175,19 @@ def _load_tokenizer(reader: gguf.GGUFReader, path: Path) -> Tokenizer | None:
         return None
 
 
-def load_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer | None]:
-    """Read, dequantize and rename everything in the GGUF file at ``path``."""
+def _kept(tensor: Any) -> QuantizedWeight | None:
+    """``tensor``'s blocks as a `QuantizedWeight`, if its type has a kernel here."""
+    qtype = int(tensor.tensor_type)
+    if len(tensor.shape) != 2 or not kernel_available(qtype):
+        return None
+    blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, order="C"))
+    return QuantizedWeight(blocks, qtype, int(tensor.shape[0]))
+
+
+def load_gguf(path: str | Path, keep_quantized: bool = False
+              ) -> tuple[dict[str, Any], dict[str, torch.Tensor | QuantizedWeight], Tokenizer | None]:
+    """Read, dequantize (see ``keep_quantized`` above) and rename everything in the GGUF
+    file at ``path``."""
     path = Path(path)
     reader = read_gguf(path)
     config = gguf_config(reader)
@@ -184,8 +201,21 @@ def load_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
             log.warning("%s: ignoring %s (not used by heron)", path.name, tensor.name)
             continue
         name = _hf_name(tensor.name)
-        w = dequantize_tensor(tensor)
         proj = name.split(".")[-2]
+        kept = _kept(tensor) if keep_quantized and (
+            name.endswith("_proj.weight") or name in ("lm_head.weight",
+                                                       "model.embed_tokens.weight")) else None
+        if name == "model.embed_tokens.weight" and kept is not None:
+            if config["tie_word_embeddings"]:
+                state_dict["lm_head.weight"] = kept
+            kept = None  # the lookup reads float32 rows
+        if kept is not None:
+            if permuted and proj in n_heads:  # whole rows move: blocks as values
+                kept.blocks = torch.from_numpy(np.ascontiguousarray(
+                    _unpermute(kept.blocks.numpy(), n_heads[proj])))
+            state_dict[name] = kept
+            continue
+        w = dequantize_tensor(tensor)
         if permuted and proj in n_heads:
             w = _unpermute(w, n_heads[proj])
         state_dict[name] = torch.from_numpy(np.ascontiguousarray(w))

@@ -24,7 +24,10 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
     source = Path(path)
     if source.suffix == ".gguf":
         from heron.plugins.transformer.gguf_loader import load_gguf
-        hf_config, tensors, tokenizer = load_gguf(source)
+        # quantized blocks multiply float32 rows on the CPU; elsewhere they are dequantized
+        keep = (model_config.keep_quantized and device.type == "cpu"
+                and dtype == torch.float32)
+        hf_config, tensors, tokenizer = load_gguf(source, keep_quantized=keep)
         cfg = TransformerConfig.from_hf(hf_config)
     else:
         cfg = TransformerConfig.from_hf(json.loads((source / "config.json").read_text()))

@@ -17,7 +17,9 @@ from heron.core.cache_spec import CacheTensors
 from heron.core.ops import (
     linear, pack_weight, paged_attention, rms_norm, rope_cos_sin_cache, rotary, rotary_write_kv,
     silu_and_mul, write_kv)
+from heron.core.ops.linear import unpack_weight
 from heron.core.ops.lora import LayerLora, layer_loras
+from heron.core.ops.quantized import QuantizedWeight
 from heron.plugins.transformer.config import TransformerConfig
 
 
@@ -73,9 +75,18 @@ class Weights:
             return None
         return t.to(device=self.device, dtype=self.dtype).contiguous()
 
-    def cat(self, names: list[str], required: bool = True) -> torch.Tensor | None:
+    def cat(self, names: list[str], required: bool = True) -> torch.Tensor | QuantizedWeight | None:
+        """The tensors' rows one after another; quantized ones stay so where they share a
+        type (else all are dequantized)."""
         parts = [self.take(n, required) for n in names]
-        return None if any(p is None for p in parts) else torch.cat(parts, dim=0).contiguous()
+        if any(p is None for p in parts):
+            return None
+        if any(isinstance(p, QuantizedWeight) for p in parts):
+            if all(isinstance(p, QuantizedWeight) for p in parts) and (
+                    fused := QuantizedWeight.cat(parts)) is not None:
+                return fused
+            parts = [unpack_weight(p) for p in parts]
+        return torch.cat(parts, dim=0).contiguous()
 
 
 def qkv_heads(h: torch.Tensor, w: AttentionWeights, shape: AttentionShape,

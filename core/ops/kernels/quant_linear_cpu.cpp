@@ -1,0 +1,164 @@
+// Projections from GGUF-quantized weights on the CPU (heron_quant_linear):
+// y [M, N] = x [M, K] @ dequantize(w)^T, the weight kept in its file's blocks.
+//
+// Reading a decode step's weights sets its speed: a Q4_1 weight is 0.625 bytes a value
+// against float32's 4. Each task dequantizes a tile of NT weight rows into a small float32
+// buffer (exactly gguf's values: d * q is exact in float32, so fused or not, d * q + m
+// rounds once, as numpy's two ops do) and multiplies it with a block of rows of x, so the
+// result differs from a float32 matmul of the dequantized weight only in summation order.
+//
+// QTYPE: 2 Q4_0 (fp16 d, 16 bytes of nibbles: d * (q - 8)), 3 Q4_1 (fp16 d, fp16 m, nibbles:
+// d * q + m), 8 Q8_0 (fp16 d, 32 int8: d * q); ggml's type numbers. A block holds 32 values:
+// the nibbles' low halves are values 0-15, their high halves 16-31. K is a multiple of 32.
+// x rows are x_stride floats apart, y rows y_stride; w's rows are K / 32 blocks, contiguous.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include "vec_cpu.h"
+
+namespace {
+
+// The tile's vector: one register (AVX-512's 16 floats, AVX2's 8), so the accumulators fit
+// the register file (32 and 16 registers).
+#ifdef __AVX512F__
+typedef v16 vec;
+constexpr int64_t VL = 16, NT = 4, MT = 4;
+inline float vsum(vec x) { return hsum(x); }
+#else
+typedef v8 vec;
+constexpr int64_t VL = 8, NT = 3, MT = 4;
+inline float vsum(vec x)
+{
+    v4 b = __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+#endif
+typedef float vec_u __attribute__((vector_size(sizeof(vec)), aligned(4), may_alias));
+inline vec vload(const float *p) { return *reinterpret_cast<const vec_u *>(p); }
+
+constexpr int64_t MB = 64;  // x rows a task takes
+
+inline float half_to_float(const uint8_t *p)
+{
+    _Float16 h;
+    std::memcpy(&h, p, sizeof h);
+    return (float)h;
+}
+
+// 32 values from bytes q (8-bit ints; with NIBBLES, 16 bytes whose low then high halves are
+// the values) as float32 d * (q - zero) + m into w. d * (q - zero) is exact in float32.
+template <bool NIBBLES, bool SIGNED>
+inline void expand(const uint8_t *q, float d, float m, int zero, float *w)
+{
+#ifdef __AVX2__
+    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+    const __m256i vz = _mm256_set1_epi32(zero);
+    __m128i bytes[2];
+    if (NIBBLES) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(q));
+        const __m128i low = _mm_set1_epi8(0x0f);
+        bytes[0] = _mm_and_si128(raw, low);
+        bytes[1] = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+    } else {
+        bytes[0] = _mm_loadu_si128(reinterpret_cast<const __m128i *>(q));
+        bytes[1] = _mm_loadu_si128(reinterpret_cast<const __m128i *>(q + 16));
+    }
+    for (int h = 0; h < 2; ++h)
+        for (int e = 0; e < 2; ++e) {
+            const __m128i part = e ? _mm_srli_si128(bytes[h], 8) : bytes[h];
+            const __m256i ints = SIGNED ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
+            const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(ints, vz));
+            _mm256_storeu_ps(w + 16 * h + 8 * e, _mm256_add_ps(_mm256_mul_ps(v, vd), vm));
+        }
+#else
+    for (int i = 0; i < 32; ++i) {
+        const int v = NIBBLES ? (i < 16 ? q[i] & 0x0f : q[i - 16] >> 4)
+                              : (SIGNED ? (int)(int8_t)q[i] : (int)q[i]);
+        w[i] = (float)(v - zero) * d + m;
+    }
+#endif
+}
+
+#if QTYPE == 2
+constexpr int64_t BLOCK_BYTES = 18;
+inline void dequantize(const uint8_t *b, float *w)
+{
+    expand<true, false>(b + 2, half_to_float(b), 0.0f, 8, w);
+}
+#elif QTYPE == 3
+constexpr int64_t BLOCK_BYTES = 20;
+inline void dequantize(const uint8_t *b, float *w)
+{
+    expand<true, false>(b + 4, half_to_float(b), half_to_float(b + 2), 0, w);
+}
+#elif QTYPE == 8
+constexpr int64_t BLOCK_BYTES = 34;
+inline void dequantize(const uint8_t *b, float *w)
+{
+    expand<false, true>(b + 2, half_to_float(b), 0.0f, 0, w);
+}
+#else
+#error "QTYPE must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)"
+#endif
+
+// y[i][j] = x[i] . wt[j] for i < mt, j < nt; wt rows are K floats apart
+template <int mt>
+void tile(const float *x, int64_t x_stride, const float *wt, int64_t K, float *y,
+          int64_t y_stride, int64_t nt)
+{
+    vec acc[mt][NT] = {};
+    for (int64_t k = 0; k < K; k += VL) {
+        vec w[NT];
+        for (int j = 0; j < NT; ++j)
+            w[j] = vload(wt + j * K + k);
+        for (int i = 0; i < mt; ++i) {
+            const vec xv = vload(x + i * x_stride + k);
+            for (int j = 0; j < NT; ++j)
+                acc[i][j] += xv * w[j];
+        }
+    }
+    for (int i = 0; i < mt; ++i)
+        for (int j = 0; j < nt; ++j)
+            y[i * y_stride + j] = vsum(acc[i][j]);
+}
+
+}  // namespace
+
+extern "C" void heron_quant_linear(const float *x, int64_t x_stride, const uint8_t *w,
+                                   float *y, int64_t y_stride, int64_t M, int64_t N, int64_t K)
+{
+    const int64_t row_bytes = K / 32 * BLOCK_BYTES;
+    const int64_t groups = (N + NT - 1) / NT, mblocks = (M + MB - 1) / MB;
+    // one row through a narrow weight is microseconds of work: waking threads costs more
+    #pragma omp parallel if (M * N * K >= (1 << 18))
+    {
+        std::vector<float> buf(NT * K, 0.0f);
+        #pragma omp for schedule(static)
+        for (int64_t task = 0; task < groups * mblocks; ++task) {
+            const int64_t n0 = task % groups * NT, m0 = task / groups * MB;
+            const int64_t nt = std::min(NT, N - n0), m_end = std::min(M, m0 + MB);
+            for (int64_t j = 0; j < nt; ++j)
+                for (int64_t b = 0; b < K / 32; ++b)
+                    dequantize(w + (n0 + j) * row_bytes + b * BLOCK_BYTES,
+                               buf.data() + j * K + b * 32);
+            int64_t m = m0;
+            for (; m + MT <= m_end; m += MT)
+                tile<MT>(x + m * x_stride, x_stride, buf.data(), K, y + m * y_stride + n0,
+                         y_stride, nt);
+            const float *xm = x + m * x_stride;
+            float *ym = y + m * y_stride + n0;
+            switch (m_end - m) {
+            case 3: tile<3>(xm, x_stride, buf.data(), K, ym, y_stride, nt); break;
+            case 2: tile<2>(xm, x_stride, buf.data(), K, ym, y_stride, nt); break;
+            case 1: tile<1>(xm, x_stride, buf.data(), K, ym, y_stride, nt); break;
+            }
+        }
+    }
+}

@@ -1,0 +1,131 @@
+"""Projection weights kept in a GGUF file's quantized blocks (Q4_0, Q4_1, Q8_0) on the CPU.
+
+A decode step reads every weight once, and on the CPU that read sets its speed: a Q4_1
+weight is 0.625 bytes a value, float32's 4. `QuantizedWeight` holds the blocks as they lie in
+the file and `quantized_linear` multiplies float32 rows with them through a compiled kernel
+(``kernels/quant_linear_cpu.cpp``) that dequantizes a few weight rows at a time into float32,
+exactly gguf's values, so a result differs from the float32 matmul of the dequantized weight
+only in the order of its sums.
+
+A `QuantizedWeight` stands in for a ``[out, in]`` float32 weight where the model's code
+moves, fuses and multiplies weights: ``to`` another device or dtype and `unpack_weight`
+give the dequantized tensor, `cat` fuses row blocks (q/k/v, gate/up) of one type.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from heron.core import cpu_kernels
+
+# ggml type number -> (name, bytes per block of 32 values)
+QUANT_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
+BLOCK = 32
+
+
+@dataclass(eq=False)
+class QuantizedWeight:
+    """A ``[out, in]`` weight as ``blocks``: uint8 ``[out, in / 32 * block bytes]``, each row
+    its values' blocks of ggml type ``qtype`` in order."""
+
+    blocks: torch.Tensor
+    qtype: int
+    in_features: int
+
+    def __post_init__(self) -> None:
+        if self.qtype not in QUANT_TYPES:
+            raise ValueError(f"ggml type {self.qtype} is not a kept quantization type")
+        name, size = QUANT_TYPES[self.qtype]
+        if (self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2
+                or self.in_features % BLOCK
+                or self.blocks.shape[1] != self.in_features // BLOCK * size):
+            raise ValueError(f"{name} blocks of shape {tuple(self.blocks.shape)} do not hold "
+                             f"rows of {self.in_features} values")
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.blocks.shape[0], self.in_features))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32  # what it multiplies with and stands for
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return False
+
+    @property
+    def is_mkldnn(self) -> bool:
+        return False
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 ``[out, in]`` weight, as gguf dequantizes it."""
+        import gguf  # only where a weight was kept quantized, i.e. read from a GGUF file
+
+        rows = gguf.quants.dequantize(self.blocks.numpy(), gguf.GGMLQuantizationType(self.qtype))
+        return torch.from_numpy(np.ascontiguousarray(rows.reshape(self.shape)))
+
+    def to(self, device=None, dtype=None) -> QuantizedWeight | torch.Tensor:
+        """Itself on the CPU as float32; anywhere else, the dequantized tensor there."""
+        if torch.device(device or "cpu").type == "cpu" and dtype in (None, torch.float32):
+            return self
+        return self.dequantize().to(device=device, dtype=dtype)
+
+    def contiguous(self) -> QuantizedWeight:
+        return self
+
+    @staticmethod
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
+        """The weights' rows one after another; None unless all share type and width."""
+        first = parts[0]
+        if any(p.qtype != first.qtype or p.in_features != first.in_features for p in parts):
+            return None
+        return QuantizedWeight(torch.cat([p.blocks for p in parts]).contiguous(),
+                               first.qtype, first.in_features)
+
+
+def quantized_linear(x: torch.Tensor, w: QuantizedWeight,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [T, in] @ w.T + bias`` for float32 CPU ``x`` (rows may be strided); other
+    dtypes multiply the dequantized weight."""
+    lib = _kernel(w.qtype)
+    if x.dtype != torch.float32 or lib is None or x.device.type != "cpu":
+        y = torch.nn.functional.linear(x, w.dequantize().to(x.dtype))
+        return y if bias is None else y + bias
+    rows = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()
+    if rows.shape[-1] != w.in_features:
+        raise RuntimeError(f"quantized linear: input rows of {rows.shape[-1]} values, "
+                           f"weight rows of {w.in_features}")
+    y = torch.empty(rows.shape[0], w.shape[0], dtype=torch.float32)
+    if rows.shape[0]:
+        lib.heron_quant_linear(rows.data_ptr(), rows.stride(0), w.blocks.data_ptr(),
+                               y.data_ptr(), y.stride(0), rows.shape[0], w.shape[0],
+                               w.in_features)
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+def kernel_available(qtype: int) -> bool:
+    """Whether ``qtype`` weights multiply through the compiled kernel on this machine."""
+    return qtype in QUANT_TYPES and _kernel(qtype) is not None
+
+
+@functools.cache
+def _kernel(qtype: int):
+    lib = cpu_kernels.load("quant_linear_cpu.cpp", {"QTYPE": qtype})
+    if lib is None:
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.heron_quant_linear.argtypes = [p, i64, p, p, i64, i64, i64, i64]
+    lib.heron_quant_linear.restype = None
+    return lib

@@ -1,0 +1,188 @@
+"""GGUF weights kept quantized (`model.keep_quantized`): the CPU kernel against gguf's own
+dequantization and a float64 matmul, the loader against its dequantizing self, and engines
+with and without it."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from heron.core.ops import linear, pack_weight
+from heron.core.ops.linear import unpack_weight
+from heron.core.ops.quantized import QuantizedWeight, kernel_available, quantized_linear
+from heron.plugins.transformer.gguf_loader import load_gguf
+from tests.test_gguf import TINY, _random_blocks, _tiny_tensors, _write
+
+KEPT = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+
+pytestmark = pytest.mark.skipif(not all(kernel_available(int(q)) for q in KEPT),
+                                reason="no C++ compiler to build the quantized kernel")
+
+
+def random_weight(qtype, rows, cols, seed=0) -> QuantizedWeight:
+    """Random blocks: every nibble / int8 value and fp16 scales of every exponent (no inf,
+    no NaN; subnormals included)."""
+    raw = _random_blocks(np.random.default_rng(seed), rows, cols, qtype)
+    return QuantizedWeight(torch.from_numpy(raw), int(qtype), cols)
+
+
+def gguf_values(w: QuantizedWeight) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(w.blocks.numpy(), Q(w.qtype)).astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", KEPT, ids=lambda q: q.name)
+def test_the_kernel_reads_gguf_values_exactly(qtype):
+    """One-hot rows pick single weights out: exact sums, so the product is the weight itself,
+    bit for bit gguf's dequantization (scales, offsets, nibble order, signs)."""
+    w = random_weight(qtype, 37, 96)
+    expected = gguf_values(w)
+    assert torch.isfinite(expected).all() and (expected != 0).any()
+    picked = quantized_linear(torch.eye(96), w)
+    assert torch.equal(picked.T, expected)
+    assert torch.equal(w.dequantize(), expected)
+
+
+@pytest.mark.parametrize("qtype", KEPT, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows,out,width", [
+    (1, 1, 32), (1, 576, 576), (3, 5, 64), (4, 7, 96), (5, 13, 544), (63, 64, 160),
+    (64, 3, 32), (65, 130, 256), (130, 47, 192)])
+def test_the_kernel_is_a_float32_matmul(qtype, rows, out, width):
+    """Against a float64 matmul of gguf's values, within float32 summation error, on one
+    thread and several (the larger shapes), over rows and columns that fill no whole tile;
+    the input rows strided (a slice of wider rows)."""
+    w = random_weight(qtype, out, width, seed=rows * out)
+    wide = torch.randn(rows, width + 40, generator=torch.Generator().manual_seed(out))
+    x = wide[:, 20:20 + width]
+    y = quantized_linear(x, w)
+    values = gguf_values(w).double()
+    expected = x.double() @ values.T
+    bound = 1e-5 * (x.double().abs() @ values.abs().T) + 1e-30
+    assert y.shape == (rows, out) and y.dtype == torch.float32
+    assert ((y.double() - expected).abs() <= bound).all()
+
+
+def test_linear_takes_a_quantized_weight():
+    """`linear` (bias, ReLU, 3-D rows) and `pack_weight` / `unpack_weight` with one; other
+    dtypes multiply its dequantized values."""
+    w = random_weight(Q.Q4_1, 24, 64)
+    dense = gguf_values(w)
+    assert pack_weight(w) is w and torch.equal(unpack_weight(w), dense)
+    x = torch.randn(2, 3, 64)
+    bias = torch.randn(24)
+    got = linear(x, w, bias, relu=True)
+    assert got.shape == (2, 3, 24)
+    torch.testing.assert_close(got, torch.relu(x @ dense.T + bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x.bfloat16(), w).float(),
+                               (x.bfloat16() @ dense.bfloat16().T).float())
+    assert linear(torch.empty(0, 64), w).shape == (0, 24)
+
+
+def test_a_quantized_weight_moves_and_fuses():
+    a, b = random_weight(Q.Q8_0, 4, 64, 1), random_weight(Q.Q8_0, 6, 64, 2)
+    fused = QuantizedWeight.cat([a, b])
+    assert fused.shape == (10, 64) and torch.equal(fused.dequantize(),
+                                                   torch.cat([gguf_values(a), gguf_values(b)]))
+    assert QuantizedWeight.cat([a, random_weight(Q.Q4_0, 4, 64)]) is None
+    assert QuantizedWeight.cat([a, random_weight(Q.Q8_0, 4, 96)]) is None
+    assert a.to(device="cpu", dtype=torch.float32) is a
+    moved = a.to(device="cpu", dtype=torch.bfloat16)
+    assert isinstance(moved, torch.Tensor) and torch.equal(moved, gguf_values(a).bfloat16())
+    with pytest.raises(ValueError, match="do not hold rows of 96"):
+        QuantizedWeight(a.blocks, int(Q.Q8_0), 96)
+    with pytest.raises(ValueError, match="ggml type 12"):
+        QuantizedWeight(a.blocks, int(Q.Q4_K), 64)
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+def _tiny_gguf(tmp_path, arch, uniform=False):
+    """A tiny ``arch`` GGUF (test_gguf's mix of types per projection; ``uniform``: one kept
+    type per layer, so q/k/v and gate/up fuse quantized)."""
+    rng = np.random.default_rng(4)
+    tensors = _tiny_tensors(arch, rng, with_output=arch != "qwen3")
+    for name, (array, qtype) in list(tensors.items()):
+        if name.startswith("blk.") and array.ndim == 2:
+            # scaled as trained weights are, so activations stay in range layer to layer
+            array = array / np.sqrt(array.shape[1])
+            tensors[name] = (array, KEPT[int(name.split(".")[1]) % 2 + 1] if uniform else qtype)
+    meta = {f"{arch}.{k}": v for k, v in {
+        "context_length": 512, "block_count": TINY["layers"], "embedding_length": TINY["hidden"],
+        "feed_forward_length": TINY["ffn"], "attention.head_count": TINY["heads"],
+        "attention.head_count_kv": TINY["kv_heads"], "attention.key_length": TINY["head_dim"],
+        "rope.dimension_count": TINY["head_dim"], "rope.freq_base": 5000.0,
+        "attention.layer_norm_rms_epsilon": 1e-6, "vocab_size": TINY["vocab"]}.items()}
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write(path, arch, tensors, meta=meta)
+    return path, {name: qtype for name, (_, qtype) in tensors.items()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_the_loader_keeps_what_it_can_multiply(tmp_path, arch):
+    """Q4_0 / Q4_1 / Q8_0 projections and the LM head (the embeddings' blocks when tied) stay
+    quantized, with the dequantizing load's values (llama's permuted q/k rows included);
+    everything else is the dequantizing load's tensor."""
+    path, types = _tiny_gguf(tmp_path, arch)
+    _, dense, _ = load_gguf(path)
+    _, kept, _ = load_gguf(path, keep_quantized=True)
+    tied = arch == "qwen3"
+    assert set(kept) == set(dense) | ({"lm_head.weight"} if tied else set())
+    quantized = {name for name, t in kept.items() if isinstance(t, QuantizedWeight)}
+    expected = {name for name, t in types.items() if t in KEPT and name.startswith("blk.")}
+    assert len(quantized) == len(expected) + 1 > 1  # the LM head too
+    for name, t in kept.items():
+        if isinstance(t, QuantizedWeight):
+            reference = dense["model.embed_tokens.weight" if name not in dense else name]
+            assert torch.equal(t.dequantize(), reference), name
+        else:
+            assert torch.equal(t, dense[name]), name
+    assert not isinstance(kept["model.embed_tokens.weight"], QuantizedWeight)
+
+
+@pytest.mark.parametrize("uniform", [False, True], ids=["mixed", "fused"])
+def test_an_engine_with_kept_weights(tmp_path, uniform):
+    """A tiny llama GGUF served greedily both ways (chunked prefills beside decodes): the
+    runner holds quantized weights, fused where the types agree, and its logits are the
+    dequantized model's to float32 rounding, its tokens the same."""
+    from heron.core.sampling_params import SamplingParams
+    from tests.engine_utils import LogitsRecorder, assert_no_leaks, make_engine
+
+    path, _ = _tiny_gguf(tmp_path, "llama", uniform)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, TINY["vocab"], (n,), generator=g).tolist() for n in (5, 40, 12)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(keep):
+        engine = make_engine(path, **{"model.keep_quantized": keep,
+                                      "engine.max_num_batched_tokens": 16})
+        layer = engine.runner.model.layers[0]
+        weights = [layer.attn.qkv, layer.attn.o, layer.gate_up, layer.down,
+                   engine.runner.model.lm_head]
+        recorder = LogitsRecorder(engine)
+        outs = engine.generate(prompts, params)
+        assert_no_leaks(engine)
+        return weights, [o.outputs[0].token_ids for o in outs], recorder.rows
+
+    weights, tokens, rows = run(True)
+    kinds = [isinstance(w, QuantizedWeight) for w in weights]
+    # mixed: layer 0 has Q8_0 q, Q4_1 k, F16 v, BF16 o, F32 gate, Q8_0 up, Q4_1 down
+    assert kinds == ([True] * 5 if uniform else [False, False, False, True, True])
+    dense_weights, ref_tokens, ref_rows = run(False)
+    assert not any(isinstance(w, QuantizedWeight) for w in dense_weights)
+    assert tokens == ref_tokens and rows.keys() == ref_rows.keys()
+    for key, row in rows.items():
+        torch.testing.assert_close(row, ref_rows[key], rtol=0, atol=1e-5 * row.abs().max())
+
+
+def test_not_kept_in_bfloat16(tmp_path):
+    """Where rows are not float32 the loader dequantizes everything, as without the key."""
+    from tests.engine_utils import make_engine
+
+    path, _ = _tiny_gguf(tmp_path, "llama", uniform=True)
+    engine = make_engine(path, **{"model.keep_quantized": True, "model.dtype": "bfloat16"})
+    layer = engine.runner.model.layers[0]
+    assert layer.attn.qkv.dtype == torch.bfloat16
+    assert not isinstance(layer.attn.qkv, QuantizedWeight)
+
