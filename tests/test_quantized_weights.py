@@ -45,11 +45,21 @@ def test_the_kernel_reads_gguf_values_exactly(qtype):
     assert torch.equal(w.dequantize(), expected)
 
 
+@pytest.fixture(params=[None, 8, 16], ids=["native", "8-wide", "16-wide"])
+def tiles(request, monkeypatch):
+    """The kernel as built for this machine, and with each tile width (AVX2's, AVX-512's)
+    whatever the machine's registers."""
+    from heron.core.ops import quantized
+    kernel = quantized._kernel
+    monkeypatch.setattr(quantized, "_kernel", lambda qtype: kernel(qtype, request.param))
+    assert quantized._kernel(int(Q.Q4_0)) is not None
+
+
 @pytest.mark.parametrize("qtype", KEPT, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows,out,width", [
     (1, 1, 32), (1, 576, 576), (3, 5, 64), (4, 7, 96), (5, 13, 544), (63, 64, 160),
     (64, 3, 32), (65, 130, 256), (130, 47, 192)])
-def test_the_kernel_is_a_float32_matmul(qtype, rows, out, width):
+def test_the_kernel_is_a_float32_matmul(qtype, rows, out, width, tiles):
     """Against a float64 matmul of gguf's values, within float32 summation error, on one
     thread and several (the larger shapes), over rows and columns that fill no whole tile;
     the input rows strided (a slice of wider rows)."""

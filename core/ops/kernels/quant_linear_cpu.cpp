@@ -26,12 +26,20 @@
 namespace {
 
 // The tile's vector: one register (AVX-512's 16 floats, AVX2's 8), so the accumulators fit
-// the register file (32 and 16 registers).
+// the register file (32 and 16 registers). VEC_FLOATS set by hand builds either anywhere
+// (the tests check both).
+#ifndef VEC_FLOATS
 #ifdef __AVX512F__
+#define VEC_FLOATS 16
+#else
+#define VEC_FLOATS 8
+#endif
+#endif
+#if VEC_FLOATS == 16
 typedef v16 vec;
 constexpr int64_t VL = 16, NT = 4, MT = 4;
 inline float vsum(vec x) { return hsum(x); }
-#else
+#elif VEC_FLOATS == 8
 typedef v8 vec;
 constexpr int64_t VL = 8, NT = 3, MT = 4;
 inline float vsum(vec x)
@@ -39,6 +47,8 @@ inline float vsum(vec x)
     v4 b = __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
+#else
+#error "VEC_FLOATS must be 8 or 16"
 #endif
 typedef float vec_u __attribute__((vector_size(sizeof(vec)), aligned(4), may_alias));
 inline vec vload(const float *p) { return *reinterpret_cast<const vec_u *>(p); }
