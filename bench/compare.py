@@ -5,7 +5,8 @@ Each system serves SmolLM2-135M-Instruct on this machine and gets the same load 
 exactly ``--max-tokens`` tokens) at each concurrency, then is stopped before the next starts.
 Systems (a peer that is not set up is skipped, saying why; ``bench/peers/setup_*.sh``):
 
-- heron, fp32 (``--dtype``), the Q4_1 GGUF dequantized at load;
+- heron, fp32 (``--dtype``), the Q4_1 GGUF dequantized at load; ``heron-q4_1``: its weights
+  kept quantized (``model.keep_quantized``), float32 activations;
 - vLLM's CPU build, fp32 (``--dtype``), an HF directory of the same dequantized weights, tuned
   as its CPU docs advise (tcmalloc and Intel OpenMP preloaded, OpenMP threads bound to the
   cores);
@@ -19,7 +20,7 @@ machine slows runs down at random, and a round per system spreads that over all 
 ``bench/results/compare-<date>.json``, a markdown table (``.md``) with ratios to heron, and a
 plot (``.png``) of throughput and TTFT against concurrency.
 
-    python -m bench.compare [--systems heron,vllm,llama.cpp-q4_1,llama.cpp-f32,transformers]
+    python -m bench.compare [--systems heron,heron-q4_1,vllm,llama.cpp-q4_1,llama.cpp-f32,transformers]
 """
 
 from __future__ import annotations
@@ -72,13 +73,14 @@ PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 def heron(model: Path, port: int, threads: int, max_seqs: int,
-          dtype: str = "float32") -> System:
+          dtype: str = "float32", keep_quantized: bool = False) -> System:
     from importlib.metadata import version
 
     return System(
-        "heron", PRECISION[dtype],
+        "heron-q4_1" if keep_quantized else "heron", "Q4_1" if keep_quantized else PRECISION[dtype],
         [sys.executable, "-m", "heron.server.cli", "serve", str(model), "--port", str(port),
          "--set", f"model.dtype={dtype}", "--set", f"model.num_threads={threads}",
+         "--set", f"model.keep_quantized={str(keep_quantized).lower()}",
          "--set", f"engine.max_num_seqs={max_seqs}",
          "--set", f"engine.kv_cache_memory_gb={KV_CACHE_GB}", "--set", "logging.level=warning",
          "--set", "logging.log_requests=false"],
@@ -296,6 +298,8 @@ def main() -> None:
     gguf = ensure_default_model()
     makers = {
         "heron": lambda port: heron(gguf, port, args.threads, max_seqs, args.dtype),
+        "heron-q4_1": lambda port: heron(gguf, port, args.threads, max_seqs,
+                                         keep_quantized=True),
         "vllm": lambda port: vllm(hf_dir(gguf), port, args.threads, max_seqs, args.dtype),
         "llama.cpp-q4_1": lambda port: llama_cpp(gguf, "Q4_1", port, args.threads, max_seqs),
         "llama.cpp-f32": lambda port: llama_cpp(f32_gguf(gguf), "F32", port, args.threads,

@@ -219,4 +219,9 @@ def load_gguf(path: str | Path, keep_quantized: bool = False
         if permuted and proj in n_heads:
             w = _unpermute(w, n_heads[proj])
         state_dict[name] = torch.from_numpy(np.ascontiguousarray(w))
+    kept = [t for t in state_dict.values() if isinstance(t, QuantizedWeight)]
+    if kept:
+        log.info("%s: %d weights kept quantized, %.0f MB (%.0f MB as float32)", path.name,
+                 len(kept), sum(t.blocks.numel() for t in kept) / 2**20,
+                 sum(t.shape.numel() * 4 for t in kept) / 2**20)
     return config, state_dict, _load_tokenizer(reader, path)

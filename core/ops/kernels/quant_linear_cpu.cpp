@@ -17,7 +17,7 @@
 #include <cstring>
 #include <vector>
 
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -63,13 +63,14 @@ inline float half_to_float(const uint8_t *p)
 }
 
 // 32 values from bytes q (8-bit ints; with NIBBLES, 16 bytes whose low then high halves are
-// the values) as float32 d * (q - zero) + m into w. d * (q - zero) is exact in float32.
+// the values) as float32 d * q + m into w. d * q is exact in float32 (11 by 8 significant
+// bits at most), so fused or not, d * q + m rounds once, as gguf's numpy does; and with
+// m = -8 d, d * q + m is (q - 8) * d exactly, which a float32 holds.
 template <bool NIBBLES, bool SIGNED>
-inline void expand(const uint8_t *q, float d, float m, int zero, float *w)
+inline void expand(const uint8_t *q, float d, float m, float *w)
 {
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
     const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
-    const __m256i vz = _mm256_set1_epi32(zero);
     __m128i bytes[2];
     if (NIBBLES) {
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(q));
@@ -83,15 +84,15 @@ inline void expand(const uint8_t *q, float d, float m, int zero, float *w)
     for (int h = 0; h < 2; ++h)
         for (int e = 0; e < 2; ++e) {
             const __m128i part = e ? _mm_srli_si128(bytes[h], 8) : bytes[h];
-            const __m256i ints = SIGNED ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
-            const __m256 v = _mm256_cvtepi32_ps(_mm256_sub_epi32(ints, vz));
-            _mm256_storeu_ps(w + 16 * h + 8 * e, _mm256_add_ps(_mm256_mul_ps(v, vd), vm));
+            const __m256 v = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(part)
+                                                       : _mm256_cvtepu8_epi32(part));
+            _mm256_storeu_ps(w + 16 * h + 8 * e, _mm256_fmadd_ps(v, vd, vm));
         }
 #else
     for (int i = 0; i < 32; ++i) {
         const int v = NIBBLES ? (i < 16 ? q[i] & 0x0f : q[i - 16] >> 4)
                               : (SIGNED ? (int)(int8_t)q[i] : (int)q[i]);
-        w[i] = (float)(v - zero) * d + m;
+        w[i] = (float)v * d + m;
     }
 #endif
 }
@@ -100,19 +101,20 @@ inline void expand(const uint8_t *q, float d, float m, int zero, float *w)
 constexpr int64_t BLOCK_BYTES = 18;
 inline void dequantize(const uint8_t *b, float *w)
 {
-    expand<true, false>(b + 2, half_to_float(b), 0.0f, 8, w);
+    const float d = half_to_float(b);
+    expand<true, false>(b + 2, d, -8.0f * d, w);
 }
 #elif QTYPE == 3
 constexpr int64_t BLOCK_BYTES = 20;
 inline void dequantize(const uint8_t *b, float *w)
 {
-    expand<true, false>(b + 4, half_to_float(b), half_to_float(b + 2), 0, w);
+    expand<true, false>(b + 4, half_to_float(b), half_to_float(b + 2), w);
 }
 #elif QTYPE == 8
 constexpr int64_t BLOCK_BYTES = 34;
 inline void dequantize(const uint8_t *b, float *w)
 {
-    expand<false, true>(b + 2, half_to_float(b), 0.0f, 0, w);
+    expand<false, true>(b + 2, half_to_float(b), 0.0f, w);
 }
 #else
 #error "QTYPE must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)"
