@@ -91,6 +91,13 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+# Names a request's template variables may not take: what `render_chat_template` sets itself
+# and the functions templates call (a variable of that name would replace the function)
+_OWN_GLOBALS = ("raise_exception", "strftime_now", "dict", "namespace")
+RESERVED_VARIABLES = frozenset(
+    {"messages", "add_generation_prompt", *jinja2.defaults.DEFAULT_NAMESPACE, *_OWN_GLOBALS})
+
+
 @lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(
@@ -168,11 +175,15 @@ def render_chat_template(template: str | None, messages: Sequence[Mapping[str, A
     ``continue_final_message`` the text ends where the last message's content does (what
     the template writes after it, the end of its turn, is cut), so that the model continues
     that message, as transformers' option of the same name does. Raises `ChatTemplateError`
-    when ``template`` is None or the template raises.
+    when ``template`` is None, a kwarg is one of `RESERVED_VARIABLES`, or the template
+    raises.
     """
     if not template:
         raise ChatTemplateError(
             "this model has no chat template; use the completions API or give the model a template")
+    if clash := sorted(RESERVED_VARIABLES & set(kwargs)):
+        raise ChatTemplateError(f"template variables may not be named {', '.join(clash)}: "
+                                "the renderer sets those itself")
     variables = {k: v for k, v in (special_tokens or {}).items() if v is not None}
     variables.update({k: _plain(v) for k, v in kwargs.items()})
     variables.setdefault("tools", None)

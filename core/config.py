@@ -6,6 +6,7 @@ the key.
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from pathlib import Path
@@ -31,6 +32,10 @@ LANGUAGE_CODE = re.compile(r"[a-z]{3}_[A-Z][a-z]{3}")
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
+        for name in self.__struct_fields__:  # TOML and --set take inf and nan as floats
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"`{name}` must be a finite number (got {value!r})")
         for name, ok, why in self._checks():
             if not ok:
                 got = "" if name in _SECRET_KEYS else f" (got {getattr(self, name)!r})"

@@ -80,8 +80,16 @@ class Engine:
                         "engine.block_size %d), fewer than max_model_len %d: a request that "
                         "could grow longer is refused", limits.kv_capacity, self.num_kv_blocks,
                         engine.block_size, self.max_model_len)
-        self.cache = allocate_cache(spec, engine, self.num_kv_blocks, engine.max_num_seqs,
-                                    self.dtype, self.device)
+        try:
+            self.cache = allocate_cache(spec, engine, self.num_kv_blocks, engine.max_num_seqs,
+                                        self.dtype, self.device)
+        except (RuntimeError, MemoryError) as e:  # torch's out-of-memory errors included
+            size = (spec.kv.bytes_per_block(engine.block_size, self.dtype) * self.num_kv_blocks
+                    if spec.kv is not None else 0)
+            raise RuntimeError(
+                f"the KV cache of {self.num_kv_blocks} blocks ({size / 2**30:.1f} GiB) cannot be "
+                f"allocated on {self.device}: lower engine.kv_cache_memory_gb or set "
+                f"engine.num_kv_blocks ({e})") from e
         self.runner.bind_cache(self.cache)
         # builds the kernels now, so the first step does not wait for the compiler
         self.cpu_kernels = (engine.cpu_kernels and self.device.type == "cpu"

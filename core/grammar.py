@@ -76,9 +76,10 @@ class Grammars:
             return self._ll_tokenizer
 
     def compile(self, spec: StructuredOutput) -> LLMatcher:
-        """A matcher in the grammar's start state; ValueError naming what is wrong with
-        ``spec``."""
-        key = msgspec.json.encode(msgspec.structs.replace(spec, reasoning=None), order="sorted")
+        """A matcher in the grammar's start state; `StructuredOutputError` naming what is
+        wrong with ``spec``."""
+        key = msgspec.json.encode(msgspec.structs.replace(spec, reasoning=None, param=None),
+                                  order="sorted")
         with self._lock:
             start = self._compiled.get(key)
             if start is not None:
@@ -87,13 +88,22 @@ class Grammars:
         matcher_cls = self._llguidance.LLMatcher
         start = matcher_cls(self._tokenizer(), _grammar(matcher_cls, spec), log_level=0)
         if start.is_error():
-            raise ValueError(f"the structured output's {_KINDS[spec.kind]} is not valid: "
-                             f"{start.get_error()}")
+            raise StructuredOutputError(f"the structured output's {_KINDS[spec.kind]} is not "
+                                        f"valid: {start.get_error()}", spec.param)
         with self._lock:
             self._compiled[key] = start
             if len(self._compiled) > self.cache_size:
                 self._compiled.popitem(last=False)
         return start.deep_copy()
+
+
+class StructuredOutputError(ValueError):
+    """A structured output that does not compile; ``param`` names the request field that
+    gave it (`StructuredOutput.param`), or is None."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 _KINDS = {"json": "JSON schema", "regex": "regex", "choice": "choice list",

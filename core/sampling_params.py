@@ -23,13 +23,16 @@ class StructuredOutput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     """What the output must match (vLLM's ``structured_outputs``), exactly one of: ``json``,
     a JSON schema (``{"type": "object"}``: any JSON object); ``regex``; ``choice``, one of
     these strings; ``grammar``, a Lark grammar. The output ends once it is complete.
-    ``reasoning``: the model's thinking comes first, free of the grammar."""
+    ``reasoning``: the model's thinking comes first, free of the grammar. ``param``: where
+    the request gave it (``response_format``...), for `StructuredOutputError`."""
 
     json: dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     reasoning: ReasoningGate | None = None
+    # the request field it came from, which an error compiling it names
+    param: str | None = None
 
     @property
     def kind(self) -> str:
@@ -114,7 +117,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("n", self.n >= 1),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1),
             ("min_tokens", self.min_tokens >= 0),
-            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens),
             ("temperature", self.temperature >= 0.0),
             ("top_k", self.top_k >= -1),
             ("top_p", 0.0 < self.top_p <= 1.0),
@@ -128,6 +130,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"{name} is out of range: {getattr(self, name)!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens is out of range: {self.min_tokens} is more than "
+                             f"max_tokens ({self.max_tokens})")
         limit = math.inf if vocab_size is None else vocab_size
         bad = next(((t, b) for t, b in self.logit_bias.items()
                     if not 0 <= t < limit or not -100.0 <= b <= 100.0), None)
@@ -135,6 +140,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ids = ">= 0" if vocab_size is None else f"0..{vocab_size - 1}"
             raise ValueError(f"logit_bias is out of range: {bad[1]!r} for token {bad[0]} "
                              f"(token ids {ids}, biases in [-100, 100])")
+        if any(not 0 <= t < limit for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids is out of range: token ids "
+                             f"{'>= 0' if vocab_size is None else f'0..{vocab_size - 1}'}")
         allowed = [] if self.allowed_token_ids is None else [self.allowed_token_ids]
         for name, lists in (("allowed_token_ids", allowed),
                             ("bad_words_token_ids", self.bad_words_token_ids)):

@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from heron.core.chat_template import ChatTemplateError
+from heron.core.chat_template import RESERVED_VARIABLES, ChatTemplateError
 from heron.core.sampling_params import SamplingParams, StructuredOutput
 from heron.server.appkeys import ASYNC_ENGINE, CONFIG, MODEL_NAME
 from heron.server.errors import APIError, bad_request
@@ -156,7 +156,9 @@ def chat_prompt(app: web.Application, messages: list[ChatMessage], *,
                           "the answer either continues the final message or starts a new one",
                           param="continue_final_message")
     plain = [_template_message(i, m) for i, m in enumerate(messages)]
-    reserved = {"messages", "add_generation_prompt", "tokenize", "special_tokens", "template"}
+    # the request's own fields and what the renderer sets may not be set twice
+    reserved = {*RESERVED_VARIABLES, "tokenize", "special_tokens", "template",
+                "continue_final_message", *(("tools",) if tools else ())}
     if clash := sorted(reserved & set(template_kwargs or ())):
         raise bad_request(f"`chat_template_kwargs` may not set {', '.join(clash)}",
                           param="chat_template_kwargs")
@@ -323,19 +325,23 @@ def _structured(req: SamplingFields) -> StructuredOutput | None:
             raise bad_request("set `response_format` or `structured_outputs`, not both",
                               param="structured_outputs")
         if fmt.type == "json_object":
-            return StructuredOutput(json={"type": "object"})
+            return StructuredOutput(json={"type": "object"}, param="response_format")
         if fmt.json_schema is None:
             raise bad_request("`response_format` of type json_schema needs `json_schema`",
                               param="response_format.json_schema")
-        return StructuredOutput(json=fmt.json_schema.schema or {})
+        return StructuredOutput(json=fmt.json_schema.schema or {},
+                                param="response_format.json_schema.schema")
     if vllm is None:
         return None
     if vllm.json_object and vllm.json is not None:
         raise bad_request("`structured_outputs`: set json or json_object, not both",
                           param="structured_outputs")
     # `validated` checks that exactly one is set
-    return StructuredOutput(json={"type": "object"} if vllm.json_object else vllm.json,
+    spec = StructuredOutput(json={"type": "object"} if vllm.json_object else vllm.json,
                             regex=vllm.regex, choice=vllm.choice, grammar=vllm.grammar)
+    given = [k for k in ("json", "regex", "choice", "grammar") if getattr(spec, k) is not None]
+    spec.param = f"structured_outputs.{given[0]}" if len(given) == 1 else "structured_outputs"
+    return spec
 
 
 def validated(params: SamplingParams, vocab_size: int | None = None,

@@ -284,5 +284,5 @@ def _admission_error(e: BaseException, metrics) -> BaseException:
         return APIError(503, str(e), code="engine_stopped")
     if isinstance(e, ValueError):
         metrics.rejected.labels("400").inc()
-        return APIError(400, str(e))
+        return APIError(400, str(e), param=getattr(e, "param", None))  # StructuredOutputError's
     return e

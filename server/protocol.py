@@ -115,7 +115,7 @@ class SamplingFields(_Body, kw_only=True):
     logit_bias: Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]],
                           Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     # refused by name unless equal to n (see `unsupported_field`)
-    best_of: int | None = None
+    best_of: Annotated[int, Meta(ge=1)] | None = None
 
     def unsupported_field(self) -> str | None:
         """The first field set to something this server does not implement, or None."""

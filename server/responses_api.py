@@ -21,6 +21,7 @@ answers at once and runs on (`heron.server.response_background`).
 from __future__ import annotations
 
 import itertools
+import json
 import uuid
 from dataclasses import dataclass
 
@@ -285,11 +286,11 @@ async def _follow(request: web.Request, log: EventLog,
 
 def _format_grammar(fmt) -> StructuredOutput:
     if fmt.type == "json_object":
-        return StructuredOutput(json={"type": "object"})
+        return StructuredOutput(json={"type": "object"}, param="text.format")
     if fmt.schema is None:
         raise bad_request("`text.format` of type json_schema needs `schema`",
                           param="text.format.schema")
-    return StructuredOutput(json=fmt.schema)
+    return StructuredOutput(json=fmt.schema, param="text.format.schema")
 
 
 def input_items(req: ResponsesRequest) -> list[Item]:
@@ -314,6 +315,7 @@ def conversation(req: ResponsesRequest, earlier: tuple[Item, ...] = ()) -> list[
                 ContentPart(type="text", text=part.text) for part in item.content]
             messages.append(ChatMessage(role=item.role, content=content))
         elif isinstance(item, FunctionCallItem):
+            _check_arguments(i, item.arguments)  # here, to name the item (chat's would not)
             call = ToolCallIn(id=item.call_id, function=FunctionCall(name=item.name,
                                                                      arguments=item.arguments))
             last = messages[-1] if messages else None
@@ -329,6 +331,14 @@ def conversation(req: ResponsesRequest, earlier: tuple[Item, ...] = ()) -> list[
         if thought is not None and messages and messages[-1].role == "assistant":
             messages[-1].reasoning, thought = thought, None
     return messages
+
+
+def _check_arguments(i: int, arguments: str) -> None:
+    try:
+        json.loads(arguments)
+    except ValueError:
+        raise bad_request(f"`input[{i}].arguments` is not JSON",
+                          param=f"input[{i}].arguments") from None
 
 
 def _item(i: int, raw: dict):

@@ -53,7 +53,7 @@ class ToolPlan:
     @property
     def structured(self) -> StructuredOutput | None:
         if self.mode == "named":
-            return StructuredOutput(json=self._parameters(self.function))
+            return StructuredOutput(json=self._parameters(self.function), param="tools")
         if self.mode != "required":
             return None
         calls = [{"type": "object", "additionalProperties": False,
@@ -63,7 +63,7 @@ class ToolPlan:
                  for t in self.tools]
         return StructuredOutput(json={"type": "array", "minItems": 1,
                                       **({} if self.parallel else {"maxItems": 1}),
-                                      "items": {"anyOf": calls}})
+                                      "items": {"anyOf": calls}}, param="tools")
 
     def _parameters(self, name: str) -> dict:
         function = next(t["function"] for t in self.tools if t["function"]["name"] == name)

@@ -50,6 +50,10 @@ def test_test_toml_loads():
     ("[model]\ntgt_lang = \"fr\"\n", "tgt_lang", "must be an NLLB language code"),
     ("[speculative]\nconfidence_threshold = 1.0\n", "confidence_threshold", "must be in [0, 1)"),
     ("[speculative]\ndisable_by_batch_size = -1\n", "disable_by_batch_size", "must be >= 0"),
+    ("[engine]\nkv_cache_memory_gb = inf\n", "kv_cache_memory_gb", "must be a finite number"),
+    ("[server]\ndrain_timeout_s = inf\n", "drain_timeout_s", "must be a finite number"),
+    ("[prefix_cache]\nsnapshot_memory_gb = nan\n", "snapshot_memory_gb",
+     "must be a finite number"),
 ])
 def test_rejections_name_file_and_key(tmp_path, text, key, reason):
     path = tmp_path / "bad.toml"

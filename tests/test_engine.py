@@ -171,3 +171,9 @@ def test_context_settings_past_the_model_or_the_cache_are_logged(model_dir, capl
     assert engine.max_model_len == limit
     assert "model.max_model_len 100000 is past what" in caplog.text
     assert "the KV cache holds 64 tokens" in caplog.text and f"max_model_len {limit}" in caplog.text
+
+
+def test_a_kv_cache_too_large_to_allocate_names_the_key(model_dir):
+    with pytest.raises(RuntimeError, match=r"cannot be allocated on cpu: lower "
+                                           r"engine\.kv_cache_memory_gb"):
+        make_engine(model_dir, **{"engine.kv_cache_memory_gb": 1e9})

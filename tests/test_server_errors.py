@@ -99,6 +99,9 @@ MALFORMED = [
     # unsupported features say so
     ("POST", CMPL, cmpl(suffix="tail"), 400, "suffix"),
     ("POST", CMPL, cmpl(best_of=3), 400, "best_of"),
+    ("POST", CMPL, cmpl(best_of=0), 400, "best_of"),
+    ("POST", CMPL, cmpl(stop_token_ids=[10**9]), 400, "stop_token_ids"),
+    ("POST", CMPL, cmpl(min_tokens=5, max_tokens=2), 400, "min_tokens"),
     ("POST", CMPL, cmpl(frobnicate=True), 400, "frobnicate"),
     # a priority needs engine.scheduling_policy = "priority"
     ("POST", CMPL, cmpl(priority=-1), 400, "priority"),
@@ -128,15 +131,21 @@ MALFORMED = [
     ("POST", CMPL, cmpl(structured_outputs={"json": {}, "json_object": True}), 400,
      "structured_outputs"),
     ("POST", CMPL, cmpl(structured_outputs={"choice": []}), 400, "structured_outputs.choice"),
-    ("POST", CMPL, cmpl(structured_outputs={"regex": "("}), 400, None),
+    ("POST", CMPL, cmpl(structured_outputs={"regex": "("}), 400, "structured_outputs.regex"),
     ("POST", CHAT, chat(response_format={"type": "json_schema",
-                                         "json_schema": {"schema": {"type": "bogus"}}}), 400, None),
+                                         "json_schema": {"schema": {"type": "bogus"}}}), 400,
+     "response_format.json_schema.schema"),
     ("POST", CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400,
      "messages[0].content[0].type"),
     ("POST", CHAT, chat(messages=[{"role": "function", "content": "42", "name": "f"}]), 400,
      "messages[0].role"),
     ("POST", CHAT, chat(chat_template_kwargs={"messages": []}), 400, "chat_template_kwargs"),
+    ("POST", CHAT, chat(chat_template_kwargs={"continue_final_message": True}), 400,
+     "chat_template_kwargs"),
+    ("POST", CHAT, chat(tools=[TOOL], tool_choice="required",
+                        chat_template_kwargs={"tools": []}), 400, "chat_template_kwargs"),
+    ("POST", CHAT, chat(chat_template_kwargs={"namespace": "x"}), 400, "chat_template_kwargs"),
     # unknown model, route or method
     ("POST", CMPL, cmpl(model="gpt-4"), 404, "model"),
     ("POST", CHAT, chat(model="gpt-4"), 404, "model"),

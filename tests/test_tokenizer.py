@@ -190,6 +190,10 @@ def test_template_features():
         render_chat_template(template, [{"role": "tool", "content": "x"}])
     with pytest.raises(ChatTemplateError, match="does not parse"):
         render_chat_template("{% if %}", messages)
+    # a variable may not replace a function the template calls
+    for name in ("namespace", "raise_exception", "range", "cycler"):
+        with pytest.raises(ChatTemplateError, match=f"may not be named {name}"):
+            render_chat_template(template, messages, **{name: "x"})
 
 
 def test_template_is_sandboxed():
