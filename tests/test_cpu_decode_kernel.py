@@ -18,7 +18,8 @@ import heron.core.ops.attention as attention
 from heron.core import cpu_kernels
 from heron.core.ops import paged_attention_ref
 from tests.gpu.cases import make_paged_case
-from tests.test_cpu_prefill_kernel import on_one_and_on_several_threads, prompt_case
+from tests.test_cpu_prefill_kernel import (on_one_and_on_several_threads, prompt_case,
+                                           vector_width)  # noqa: F401 (a fixture)
 from tests.test_paged_attention import share_blocks, written_out
 
 
@@ -47,7 +48,8 @@ def compiled(case) -> torch.Tensor:
     (16, 2, 128, 8),   # a group of 8
 ])
 def test_compiled_decode_matches_attention_written_out(seq_lens, num_q_heads, num_kv_heads,
-                                                       head_dim, block_size, monkeypatch):
+                                                       head_dim, block_size, vector_width,
+                                                       monkeypatch):
     # tasks of a few keys: most sequences split in several, merged by their log-sum-exps
     monkeypatch.setattr(attention, "PART_KEYS_MIN", 7)
     monkeypatch.setattr(attention, "PART_KEYS_MAX", 7)

@@ -24,9 +24,18 @@ def compiled_norm(x, weight, eps, residual=None):
     return out
 
 
+@pytest.fixture(params=[8, 16], ids=["8-wide", "16-wide"])
+def vector_width(request, monkeypatch):
+    """The RMSNorm kernel built for vectors of 8 floats (AVX2's registers) and of 16
+    (AVX-512's), whatever this machine's."""
+    kernel = norm._norm_kernel
+    monkeypatch.setattr(norm, "_norm_kernel", lambda dtype: kernel(dtype, request.param))
+    return request.param
+
+
 @pytest.mark.parametrize("rows, n", [(1, 576), (7, 64), (300, 576), (5, 100), (2, 8)])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_compiled_rms_norm_matches_rms_norm_written_out(rows, n, with_residual):
+def test_compiled_rms_norm_matches_rms_norm_written_out(rows, n, with_residual, vector_width):
     """Row counts on one thread and on several (300 x 576), widths that are not whole
     vectors of 16 (100, 8); the summed residual is torch's ``x + residual`` exactly."""
     g = torch.Generator().manual_seed(rows * n)
@@ -65,7 +74,7 @@ def test_rows_of_a_wider_tensor_and_heads_of_a_contiguous_one():
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_a_bfloat16_rms_norm_rounds_where_the_torch_ops_do(with_residual):
+def test_a_bfloat16_rms_norm_rounds_where_the_torch_ops_do(with_residual, vector_width):
     """The sum rounds to bfloat16 as torch's add does (exactly), the norm rounds before the
     weight's product: torch's bits but where the float32 norm, summed in another order,
     lands on the other side of a rounding boundary (at most one bfloat16 step)."""

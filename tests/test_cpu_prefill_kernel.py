@@ -38,6 +38,16 @@ def on_one_and_on_several_threads(run):
         torch.set_num_threads(threads)
 
 
+@pytest.fixture(params=[8, 16], ids=["8-wide", "16-wide"])
+def vector_width(request, monkeypatch):
+    """The attention kernels built for vectors of 8 floats (AVX2's registers) and of 16
+    (AVX-512's), whatever this machine's."""
+    kernels = attention._kernels
+    monkeypatch.setattr(attention, "_kernels",
+                        lambda head_dim, dtype: kernels(head_dim, dtype, request.param))
+    return request.param
+
+
 def compiled(case) -> torch.Tensor:
     out = attention._compiled_prefill(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     assert out is not None, "the compiled prompt kernel did not run (is a C++ compiler there?)"
@@ -59,7 +69,8 @@ def compiled(case) -> torch.Tensor:
     (5, 1, 48, 16),    # a group of 5: tiles whose rows do not fill whole blocks of 8
 ])
 def test_compiled_prefill_matches_attention_written_out(query_lens, seq_lens, num_q_heads,
-                                                        num_kv_heads, head_dim, block_size):
+                                                        num_kv_heads, head_dim, block_size,
+                                                        vector_width):
     case = prompt_case(query_lens, seq_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                        head_dim=head_dim, block_size=block_size)
     out = compiled(case)

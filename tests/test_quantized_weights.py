@@ -10,6 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from heron.core import cpu_kernels
 from heron.core.ops import linear, pack_weight
 from heron.core.ops.linear import unpack_weight
 from heron.core.ops.quantized import QuantizedWeight, kernel_available, quantized_linear
@@ -18,8 +19,12 @@ from tests.test_gguf import TINY, _random_blocks, _tiny_tensors, _write
 
 KEPT = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 
-pytestmark = pytest.mark.skipif(not all(kernel_available(int(q)) for q in KEPT),
+pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None,
                                 reason="no C++ compiler to build the quantized kernel")
+
+
+def test_the_kernel_builds():
+    assert all(kernel_available(int(q)) for q in KEPT)
 
 
 def random_weight(qtype, rows, cols, seed=0) -> QuantizedWeight:
@@ -34,9 +39,13 @@ def gguf_values(w: QuantizedWeight) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("qtype", KEPT, ids=lambda q: q.name)
-def test_the_kernel_reads_gguf_values_exactly(qtype):
+@pytest.mark.parametrize("path", ["tiles", "dequantized"])
+def test_the_kernel_reads_gguf_values_exactly(qtype, path, monkeypatch):
     """One-hot rows pick single weights out: exact sums, so the product is the weight itself,
-    bit for bit gguf's dequantization (scales, offsets, nibble order, signs)."""
+    bit for bit gguf's dequantization (scales, offsets, nibble order, signs), through the
+    kernel's tiles and through its dequantized weight (many rows)."""
+    from heron.core.ops import quantized
+    monkeypatch.setattr(quantized, "DEQUANTIZED_ROWS", 10**9 if path == "tiles" else 1)
     w = random_weight(qtype, 37, 96)
     expected = gguf_values(w)
     assert torch.isfinite(expected).all() and (expected != 0).any()
@@ -45,24 +54,25 @@ def test_the_kernel_reads_gguf_values_exactly(qtype):
     assert torch.equal(w.dequantize(), expected)
 
 
-@pytest.fixture(params=[None, 8, 16], ids=["native", "8-wide", "16-wide"])
-def tiles(request, monkeypatch):
-    """The kernel as built for this machine, and with each tile width (AVX2's, AVX-512's)
-    whatever the machine's registers."""
+@pytest.fixture(params=[8, 16], ids=["8-wide", "16-wide"])
+def vector_width(request, monkeypatch):
+    """The kernel built for vectors of 8 floats (AVX2's registers) and of 16 (AVX-512's),
+    whatever this machine's."""
     from heron.core.ops import quantized
     kernel = quantized._kernel
     monkeypatch.setattr(quantized, "_kernel", lambda qtype: kernel(qtype, request.param))
-    assert quantized._kernel(int(Q.Q4_0)) is not None
+    return request.param
 
 
 @pytest.mark.parametrize("qtype", KEPT, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows,out,width", [
     (1, 1, 32), (1, 576, 576), (3, 5, 64), (4, 7, 96), (5, 13, 544), (63, 64, 160),
     (64, 3, 32), (65, 130, 256), (130, 47, 192)])
-def test_the_kernel_is_a_float32_matmul(qtype, rows, out, width, tiles):
+def test_the_kernel_is_a_float32_matmul(qtype, rows, out, width, vector_width):
     """Against a float64 matmul of gguf's values, within float32 summation error, on one
     thread and several (the larger shapes), over rows and columns that fill no whole tile;
-    the input rows strided (a slice of wider rows)."""
+    the input rows strided (a slice of wider rows). From `DEQUANTIZED_ROWS` rows on, the
+    dequantized weight's product."""
     w = random_weight(qtype, out, width, seed=rows * out)
     wide = torch.randn(rows, width + 40, generator=torch.Generator().manual_seed(out))
     x = wide[:, 20:20 + width]

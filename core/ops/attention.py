@@ -177,10 +177,12 @@ def compiled_attention_applies(dtype: torch.dtype, head_dim: int) -> bool:
 
 
 @functools.cache
-def _kernels(head_dim: int, dtype: torch.dtype):
+def _kernels(head_dim: int, dtype: torch.dtype, vec_floats: int | None = None):
     """The compiled attention kernels for ``head_dim`` and a cache of ``dtype``, their
-    argument types set; None if not built."""
-    defines = {"HEAD_DIM": head_dim, **({"CACHE_BF16": 1} if dtype == torch.bfloat16 else {})}
+    argument types set; None if not built. ``vec_floats`` (8, 16) builds them for vectors of
+    that many floats rather than the machine's register width."""
+    defines = {"HEAD_DIM": head_dim, **({"CACHE_BF16": 1} if dtype == torch.bfloat16 else {}),
+               **({"VEC_FLOATS": vec_floats} if vec_floats else {})}
     lib = cpu_kernels.load("paged_attention_cpu.cpp", defines)
     if lib is None:
         return None

@@ -20,37 +20,38 @@ namespace {
 
 #ifdef ACT_BF16
 typedef bf16_t elem_t;
-inline v16 round_act(v16 x) { return (v16)bf16_bits(x); }  // as torch would store it
+inline vec round_act(vec x) { return (vec)bf16_bits(x); }  // as torch would store it
 inline float round_act(float x) { return widen(to_bf16(x)); }
 #else
 typedef float elem_t;
-inline v16 round_act(v16 x) { return x; }
+inline vec round_act(vec x) { return x; }
 inline float round_act(float x) { return x; }
 #endif
 
 void norm_row(const elem_t *x, const elem_t *residual, const elem_t *weight, elem_t *out,
               elem_t *residual_out, int64_t n, float eps)
 {
-    const int64_t vn = n - n % 16;
+    const int64_t vn = n - n % 16;  // whole vectors of 16, as on every machine: the same sums
     const elem_t *s = x;
     if (residual) {
-        for (int64_t i = 0; i < vn; i += 16)
-            store(residual_out + i, load(x + i) + load(residual + i));
+        for (int64_t i = 0; i < vn; i += VL)
+            vstore(residual_out + i, vload(x + i) + vload(residual + i));
         for (int64_t i = vn; i < n; ++i)
             put(residual_out + i, widen(x[i]) + widen(residual[i]));
         s = residual_out;
     }
-    v16 squares = {};
-    for (int64_t i = 0; i < vn; i += 16) {
-        const v16 v = load(s + i);
-        squares += v * v;
-    }
-    float sum = hsum(squares);
+    vec squares[16 / VL] = {};  // lane i of the sum of squares is element i of each 16
+    for (int64_t i = 0; i < vn; i += 16)
+        for (int c = 0; c < 16 / VL; ++c) {
+            const vec v = vload(s + i + c * VL);
+            squares[c] += v * v;
+        }
+    float sum = hsum16(squares);
     for (int64_t i = vn; i < n; ++i)
         sum += widen(s[i]) * widen(s[i]);
     const float r = 1.0f / std::sqrt(sum / (float)n + eps);
-    for (int64_t i = 0; i < vn; i += 16)
-        store(out + i, round_act(load(s + i) * r) * load(weight + i));
+    for (int64_t i = 0; i < vn; i += VL)
+        vstore(out + i, round_act(vload(s + i) * r) * vload(weight + i));
     for (int64_t i = vn; i < n; ++i)
         put(out + i, round_act(widen(s[i]) * r) * widen(weight[i]));
 }

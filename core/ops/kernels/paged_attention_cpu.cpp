@@ -38,7 +38,7 @@ static_assert(HEAD_DIM % 16 == 0, "HEAD_DIM must be a multiple of 16");
 namespace {
 
 constexpr int D = HEAD_DIM;
-constexpr int NV = D / 16;  // vectors per head row
+constexpr int NV = D / VL;  // vectors per head row
 
 #ifdef CACHE_BF16
 typedef bf16_t cache_t;  // widened to float32 as it loads
@@ -50,22 +50,22 @@ constexpr int LINE = 64 / sizeof(cache_t);  // cache elements a cache line holds
 // exp for x <= 0 (logits minus their max), relative error ~2e-7: x = k ln2 + r with
 // |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial, 2^k through the exponent bits.
 // Below -87 it returns exp(-87) ~ 2e-38 rather than 0, which no sum of weights can notice.
-inline v16 vexp(v16 x)
+inline vec vexp(vec x)
 {
-    const v16 lo = v16{} - 87.0f;
+    const vec lo = vec{} - 87.0f;
     x = x < lo ? lo : x;
-    const v16 shifter = v16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-    v16 k = (x * 1.44269504088896341f + shifter) - shifter;
-    v16 r = x - k * 0.693359375f + k * 2.12194440e-4f;
-    v16 p = v16{} + 1.9875691500e-4f;
+    const vec shifter = vec{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+    vec k = (x * 1.44269504088896341f + shifter) - shifter;
+    vec r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    vec p = vec{} + 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    v16i bits = (__builtin_convertvector(k, v16i) + 127) << 23;
-    return p * (v16)bits;  // a vector cast keeps the bits
+    veci bits = (__builtin_convertvector(k, veci) + 127) << 23;
+    return p * (vec)bits;  // a vector cast keeps the bits
 }
 
 struct Sequence {
@@ -100,41 +100,41 @@ void attend_part(Sequence seq, const cache_t *k_cache, const cache_t *v_cache, i
     const int row = H * D, Hq = H * G;
     for_each_key(k_cache, seq.table, k0, k1, bs, row, [&](int j, const cache_t *k) {
         for (int h = 0; h < H; ++h) {  // scores
-            v16 kv[NV];
-            for (int c = 0; c < NV; ++c) kv[c] = load(k + h * D + c * 16);
+            vec kv[NV];
+            for (int c = 0; c < NV; ++c) kv[c] = vload(k + h * D + c * VL);
             for (int g = 0; g < G; ++g) {
                 const float *qh = seq.q + (h * G + g) * D;
-                v16 dot = load(qh) * kv[0];
-                for (int c = 1; c < NV; ++c) dot += load(qh + c * 16) * kv[c];
-                s[(h * G + g) * stride + j - k0] = hsum(dot) * scale;
+                vec dot = vload(qh) * kv[0];
+                for (int c = 1; c < NV; ++c) dot += vload(qh + c * VL) * kv[c];
+                s[(h * G + g) * stride + j - k0] = vsum(dot) * scale;
             }
         }
     });
-    const int n = k1 - k0, full = n & ~15;
+    const int n = k1 - k0, full = n - n % VL;
     for (int i = 0; i < Hq; ++i) {  // softmax weights, unnormalized
         float *si = s + i * stride;
         float mx = -FLT_MAX;
         for (int t = 0; t < n; ++t) mx = si[t] > mx ? si[t] : mx;
-        v16 sum = v16{};
-        for (int t = 0; t < full; t += 16) {
-            v16 e = vexp(load(si + t) - mx);
-            store(si + t, e);
+        vec sum = vec{};
+        for (int t = 0; t < full; t += VL) {
+            vec e = vexp(vload(si + t) - mx);
+            vstore(si + t, e);
             sum += e;
         }
         float tail = 0.f;
         for (int t = full; t < n; ++t) tail += si[t] = std::exp(si[t] - mx);
         m[i] = mx;
-        l[i] = hsum(sum) + tail;
+        l[i] = vsum(sum) + tail;
     }
     std::memset(acc, 0, sizeof(float) * Hq * D);
     for_each_key(v_cache, seq.table, k0, k1, bs, row, [&](int j, const cache_t *v) {
         for (int h = 0; h < H; ++h) {  // weighted values
-            v16 vv[NV];
-            for (int c = 0; c < NV; ++c) vv[c] = load(v + h * D + c * 16);
+            vec vv[NV];
+            for (int c = 0; c < NV; ++c) vv[c] = vload(v + h * D + c * VL);
             for (int g = 0; g < G; ++g) {
                 const float p = s[(h * G + g) * stride + j - k0];
                 float *o = acc + (h * G + g) * D;
-                for (int c = 0; c < NV; ++c) store(o + c * 16, load(o + c * 16) + p * vv[c]);
+                for (int c = 0; c < NV; ++c) vstore(o + c * VL, vload(o + c * VL) + p * vv[c]);
             }
         }
     });
@@ -194,15 +194,15 @@ extern "C" int heron_decode_attention(
                     const float mj = parts[(int64_t)j * part_stride + Hq * D + i];
                     mx = mj > mx ? mj : mx;
                 }
-                v16 o[NV] = {};
+                vec o[NV] = {};
                 for (int j = first[b]; j < first[b + 1]; ++j) {
                     const float *pj = parts + (int64_t)j * part_stride;
                     const float w = std::exp(pj[Hq * D + i] - mx);
                     sum += w * pj[Hq * D + Hq + i];
-                    for (int c = 0; c < NV; ++c) o[c] += w * load(pj + i * D + c * 16);
+                    for (int c = 0; c < NV; ++c) o[c] += w * vload(pj + i * D + c * VL);
                 }
                 for (int c = 0; c < NV; ++c)
-                    store(out + ((int64_t)b * Hq + i) * D + c * 16, o[c] / sum);
+                    vstore(out + ((int64_t)b * Hq + i) * D + c * VL, o[c] / sum);
             }
         }
     }
@@ -224,17 +224,20 @@ extern "C" int heron_decode_attention(
 // a tile of TILE_ROWS / G consecutive query positions: the tile's G query heads per position
 // become the rows of one matrix, so each key is read once for all of them (rows rounded up
 // to a multiple of TILE_ROWS repeat the last position; their outputs are dropped). The
-// queries are transposed once per task into [D, rows], so that a vector holds 16 rows: a
+// queries are transposed once per task into [D, rows], so that a vector holds VL rows: a
 // key's scores against them are FMAs of the key's elements, broadcast, with no transposed
 // keys, and the online softmax (running max and sum per row) works on whole vectors.
 
 namespace {
 
 constexpr int KEYS = 16;        // keys per tile
-constexpr int TILE_ROWS = 64;   // query rows (positions x G) per task: four vectors
-constexpr int KB = 4;           // keys per block of the scores product
-constexpr int RB = 4;           // row vectors per block of the scores product
-constexpr int PR = NV <= 4 ? 4 : 2;  // rows per block of the values product
+constexpr int TILE_ROWS = 64;   // query rows (positions x G) per task
+// The products' register blocks, sized to the register file: KB x RB score vectors and RB
+// query vectors; PR x NV output vectors and NV value vectors.
+constexpr int KB = 4;                                // keys per block of the scores product
+constexpr int RB = VECTOR_REGISTERS == 32 ? 4 : 2;   // row vectors per block of it
+constexpr int PR_FIT = (VECTOR_REGISTERS - 1 - NV) / NV;
+constexpr int PR = PR_FIT > 4 ? 4 : PR_FIT < 1 ? 1 : PR_FIT;  // rows per block of the values product
 
 struct Tile {
     float *qt;     // [D, rows]: the queries, times the scale, transposed
@@ -247,7 +250,7 @@ struct Tile {
     int *limit;    // [rows]: keys < limit are visible
 };
 
-// The rows [0, rows) of tile `t` (rows a multiple of 16 * RB) over keys [0, k_end) of a
+// The rows [0, rows) of tile `t` (rows a multiple of VL * RB) over keys [0, k_end) of a
 // sequence.
 void attend_tile(Tile t, int rows, const cache_t *k_cache, const cache_t *v_cache,
                  const int32_t *table, int bs, int h, int H, int k_end)
@@ -263,17 +266,17 @@ void attend_tile(Tile t, int rows, const cache_t *k_cache, const cache_t *v_cach
                 const int key = j0 + j;
                 const int64_t at = ((int64_t)table[key / bs] * bs + key % bs) * row + h * D;
                 vrow[j] = v_cache + at;
-                for (int c = 0; c < NV; ++c) store(kj + c * 16, load(k_cache + at + c * 16));
+                for (int c = 0; c < NV; ++c) vstore(kj + c * VL, vload(k_cache + at + c * VL));
             } else {  // past the keys: masked (the values loop stops at n)
-                for (int c = 0; c < NV; ++c) store(kj + c * 16, v16{});
+                for (int c = 0; c < NV; ++c) vstore(kj + c * VL, vec{});
             }
         }
-        for (int r0 = 0; r0 < rows; r0 += 16 * RB)  // scores: p[j, r] = k_j . q_r
+        for (int r0 = 0; r0 < rows; r0 += VL * RB)  // scores: p[j, r] = k_j . q_r
             for (int jb = 0; jb < KEYS; jb += KB) {
-                v16 s[KB][RB] = {};
+                vec s[KB][RB] = {};
                 for (int d = 0; d < D; ++d) {
-                    v16 q[RB];
-                    for (int b = 0; b < RB; ++b) q[b] = load(t.qt + d * rows + r0 + b * 16);
+                    vec q[RB];
+                    for (int b = 0; b < RB; ++b) q[b] = vload(t.qt + d * rows + r0 + b * VL);
                     for (int j = 0; j < KB; ++j) {
                         const float kd = t.k[(jb + j) * D + d];
                         for (int b = 0; b < RB; ++b) s[j][b] += kd * q[b];
@@ -281,49 +284,49 @@ void attend_tile(Tile t, int rows, const cache_t *k_cache, const cache_t *v_cach
                 }
                 for (int j = 0; j < KB; ++j)
                     for (int b = 0; b < RB; ++b)
-                        store(t.p + (jb + j) * rows + r0 + b * 16, s[j][b]);
+                        vstore(t.p + (jb + j) * rows + r0 + b * VL, s[j][b]);
             }
         const bool masked = j0 + KEYS > min_limit;
-        for (int r = 0; r < rows; r += 16) {  // softmax weights, online
-            const v16i limit = *reinterpret_cast<const v16i *>(t.limit + r);
-            v16 mx = load(t.m + r);
-            const v16 m_old = mx;
+        for (int r = 0; r < rows; r += VL) {  // softmax weights, online
+            const veci limit = vload(t.limit + r);
+            vec mx = vload(t.m + r);
+            const vec m_old = mx;
             for (int j = 0; j < KEYS; ++j) {
-                v16 sj = load(t.p + j * rows + r);
+                vec sj = vload(t.p + j * rows + r);
                 if (masked) {
-                    sj = j0 + j < limit ? sj : v16{} - FLT_MAX;
-                    store(t.p + j * rows + r, sj);
+                    sj = j0 + j < limit ? sj : vec{} - FLT_MAX;
+                    vstore(t.p + j * rows + r, sj);
                 }
                 mx = sj > mx ? sj : mx;
             }
             // every row sees key 0, so its max is a real logit from the first tile on
-            const v16 alpha = vexp(m_old - mx);  // m_old -FLT_MAX: exp(-87), times nothing
-            v16 sum = load(t.l + r) * alpha;
+            const vec alpha = vexp(m_old - mx);  // m_old -FLT_MAX: exp(-87), times nothing
+            vec sum = vload(t.l + r) * alpha;
             for (int j = 0; j < KEYS; ++j) {
-                v16 e = vexp(load(t.p + j * rows + r) - mx);
-                if (masked) e = j0 + j < limit ? e : v16{};  // vexp stops at exp(-87), not 0
-                store(t.p + j * rows + r, e);
+                vec e = vexp(vload(t.p + j * rows + r) - mx);
+                if (masked) e = j0 + j < limit ? e : vec{};  // vexp stops at exp(-87), not 0
+                vstore(t.p + j * rows + r, e);
                 sum += e;
             }
-            store(t.m + r, mx);
-            store(t.l + r, sum);
-            store(t.alpha + r, alpha);
+            vstore(t.m + r, mx);
+            vstore(t.l + r, sum);
+            vstore(t.alpha + r, alpha);
         }
         for (int r0 = 0; r0 < rows; r0 += PR) {  // weighted values, the old sums rescaled
-            v16 o[PR][NV];
+            vec o[PR][NV];
             for (int i = 0; i < PR; ++i)
                 for (int c = 0; c < NV; ++c)
-                    o[i][c] = load(t.o + (r0 + i) * D + c * 16) * t.alpha[r0 + i];
+                    o[i][c] = vload(t.o + (r0 + i) * D + c * VL) * t.alpha[r0 + i];
             for (int j = 0; j < n; ++j) {
-                v16 v[NV];
-                for (int c = 0; c < NV; ++c) v[c] = load(vrow[j] + c * 16);
+                vec v[NV];
+                for (int c = 0; c < NV; ++c) v[c] = vload(vrow[j] + c * VL);
                 for (int i = 0; i < PR; ++i) {
                     const float w = t.p[j * rows + r0 + i];
                     for (int c = 0; c < NV; ++c) o[i][c] += w * v[c];
                 }
             }
             for (int i = 0; i < PR; ++i)
-                for (int c = 0; c < NV; ++c) store(t.o + (r0 + i) * D + c * 16, o[i][c]);
+                for (int c = 0; c < NV; ++c) vstore(t.o + (r0 + i) * D + c * VL, o[i][c]);
         }
     }
 }
@@ -397,7 +400,7 @@ extern "C" int heron_prefill_attention(
                 const int p = r / G, g = r % G;
                 const float inv = 1.f / t.l[r];
                 float *ob = out + ((int64_t)(query_starts[b] + p0 + p) * Hq + h * G + g) * D;
-                for (int c = 0; c < NV; ++c) store(ob + c * 16, load(t.o + r * D + c * 16) * inv);
+                for (int c = 0; c < NV; ++c) vstore(ob + c * VL, vload(t.o + r * D + c * VL) * inv);
             }
         }
         std::free(scratch);

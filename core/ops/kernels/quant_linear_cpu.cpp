@@ -25,34 +25,9 @@
 
 namespace {
 
-// The tile's vector: one register (AVX-512's 16 floats, AVX2's 8), so the accumulators fit
-// the register file (32 and 16 registers). VEC_FLOATS set by hand builds either anywhere
-// (the tests check both).
-#ifndef VEC_FLOATS
-#ifdef __AVX512F__
-#define VEC_FLOATS 16
-#else
-#define VEC_FLOATS 8
-#endif
-#endif
-#if VEC_FLOATS == 16
-typedef v16 vec;
-constexpr int64_t VL = 16, NT = 4, MT = 4;
-inline float vsum(vec x) { return hsum(x); }
-#elif VEC_FLOATS == 8
-typedef v8 vec;
-constexpr int64_t VL = 8, NT = 3, MT = 4;
-inline float vsum(vec x)
-{
-    v4 b = __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
-#else
-#error "VEC_FLOATS must be 8 or 16"
-#endif
-typedef float vec_u __attribute__((vector_size(sizeof(vec)), aligned(4), may_alias));
-inline vec vload(const float *p) { return *reinterpret_cast<const vec_u *>(p); }
-
+// The tile: MT rows of x by NT weight rows, MT * NT accumulators of one register (`vec`)
+// and NT weight vectors, which fit AVX-512's 32 registers and AVX2's 16.
+constexpr int64_t NT = VECTOR_REGISTERS == 32 ? 4 : 3, MT = 4;
 constexpr int64_t MB = 64;  // x rows a task takes
 
 inline float half_to_float(const uint8_t *p)
@@ -173,4 +148,15 @@ extern "C" void heron_quant_linear(const float *x, int64_t x_stride, const uint8
             }
         }
     }
+}
+
+// out [N, K] = dequantize(w): for many rows of x, a float32 GEMM of the whole weight beats
+// the tiles above (which keep no block of x in the first-level cache)
+extern "C" void heron_dequantize(const uint8_t *w, float *out, int64_t N, int64_t K)
+{
+    const int64_t row_bytes = K / 32 * BLOCK_BYTES;
+    #pragma omp parallel for schedule(static) if (N * K >= (1 << 18))
+    for (int64_t n = 0; n < N; ++n)
+        for (int64_t b = 0; b < K / 32; ++b)
+            dequantize(w + n * row_bytes + b * BLOCK_BYTES, out + n * K + b * 32);
 }

@@ -1,6 +1,12 @@
-// What the CPU kernels (*_cpu.cpp) share: vectors of 16 floats (GCC and Clang vector
-// extensions: one AVX-512 register, two AVX2 ones) and bfloat16, a float32's upper half,
-// converted as torch converts it (to nearest even, NaN to its quiet NaN 0x7fc0).
+// What the CPU kernels (*_cpu.cpp) share: `vec`, a vector of one register's floats (GCC and
+// Clang vector extensions; VEC_FLOATS: 16 with AVX-512, else 8), its loads, stores and sums,
+// and bfloat16, a float32's upper half, converted as torch converts it (to nearest even, NaN
+// to its quiet NaN 0x7fc0).
+//
+// One register's worth, not a fixed 16: where a register holds 8 floats (AVX2), GCC 12 keeps
+// 16-float vectors on the stack in 16-byte pieces and lowers their comparisons to scalar code
+// (a prompt's attention ran at a fourteenth of its speed). VECTOR_REGISTERS sizes a kernel's
+// register blocks. VEC_FLOATS set by hand builds either width anywhere; the tests check both.
 //
 // `cpu_kernels` hashes this header into every library's name, so editing it rebuilds them.
 
@@ -11,25 +17,57 @@
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16ui __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
-typedef float v8 __attribute__((vector_size(32)));
+#ifndef VEC_FLOATS
+#ifdef __AVX512F__
+#define VEC_FLOATS 16
+#else
+#define VEC_FLOATS 8
+#endif
+#endif
+#if VEC_FLOATS != 8 && VEC_FLOATS != 16
+#error "VEC_FLOATS must be 8 or 16"
+#endif
+constexpr int VL = VEC_FLOATS;
+constexpr int VECTOR_REGISTERS = VL == 16 ? 32 : 16;
+
+typedef float vec __attribute__((vector_size(VL * 4)));
+typedef int32_t veci __attribute__((vector_size(VL * 4)));
+typedef uint32_t vecu __attribute__((vector_size(VL * 4)));
+typedef uint16_t vech __attribute__((vector_size(VL * 2)));
+typedef float vec_u __attribute__((vector_size(VL * 4), aligned(4), may_alias));
+typedef int32_t veci_u __attribute__((vector_size(VL * 4), aligned(4), may_alias));
+typedef uint16_t vech_u __attribute__((vector_size(VL * 2), aligned(2), may_alias));
 typedef float v4 __attribute__((vector_size(16)));
 typedef uint16_t bf16_t;
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint16_t v16hu __attribute__((vector_size(32), aligned(2), may_alias));
 
-inline v16 load(const float *p) { return *reinterpret_cast<const v16u *>(p); }
-inline void store(float *p, v16 x) { *reinterpret_cast<v16u *>(p) = x; }
-
-inline float hsum(v16 x)
+inline vec vload(const float *p) { return *reinterpret_cast<const vec_u *>(p); }
+inline veci vload(const int32_t *p) { return *reinterpret_cast<const veci_u *>(p); }
+inline vec vload(const bf16_t *p)
 {
-    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
-         + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (vec)(__builtin_convertvector(*reinterpret_cast<const vech_u *>(p), vecu) << 16);
+}
+inline void vstore(float *p, vec x) { *reinterpret_cast<vec_u *>(p) = x; }
+
+// The sum of x's lanes: halves added pairwise down to 4, then (0 + 2) + (1 + 3)
+inline float vsum(vec x)
+{
+#if VEC_FLOATS == 16
+    const auto a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+                 + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    const vec a = x;
+#endif
+    const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
+}
+// The sum of the 16 lanes 16 / VL vectors hold, in the same order whatever VL
+inline float hsum16(const vec *x)
+{
+#if VEC_FLOATS == 16
+    return vsum(x[0]);
+#else
+    return vsum(x[0] + x[1]);
+#endif
 }
 
 inline float widen(float x) { return x; }
@@ -40,10 +78,6 @@ inline float widen(bf16_t h)
     std::memcpy(&x, &bits, sizeof x);
     return x;
 }
-inline v16 load(const bf16_t *p)
-{
-    return (v16)(__builtin_convertvector(*reinterpret_cast<const v16hu *>(p), v16ui) << 16);
-}
 
 inline bf16_t to_bf16(float x)
 {
@@ -52,16 +86,16 @@ inline bf16_t to_bf16(float x)
     return x != x ? 0x7fc0 : (bf16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 // x's bfloat16s in the upper halves, the lower halves zero
-inline v16ui bf16_bits(v16 x)
+inline vecu bf16_bits(vec x)
 {
-    const v16ui bits = (v16ui)x;
-    const v16ui rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-    const v16ui nan = (v16ui)(x != x);
+    const vecu bits = (vecu)x;
+    const vecu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    const vecu nan = (vecu)(x != x);
     return (rounded & ~nan) | (0x7fc00000u & nan);
 }
-inline void store(bf16_t *p, v16 x)
+inline void vstore(bf16_t *p, vec x)
 {
-    *reinterpret_cast<v16hu *>(p) = __builtin_convertvector(bf16_bits(x) >> 16, v16h);
+    *reinterpret_cast<vech_u *>(p) = __builtin_convertvector(bf16_bits(x) >> 16, vech);
 }
 
 inline void put(float *out, float x) { *out = x; }
