@@ -187,15 +187,20 @@ def _tiny_tensors(arch, rng, with_output):
     return {k: (v.astype(np.float32), q) for k, (v, q) in tensors.items()}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tiny_models_equal_transformers(tmp_path, arch):
-    rng = np.random.default_rng(1)
-    meta = {f"{arch}.{k}": v for k, v in {
+def tiny_meta(arch):
+    """The TINY shape as ``arch``'s GGUF metadata."""
+    return {f"{arch}.{k}": v for k, v in {
         "context_length": 512, "block_count": TINY["layers"], "embedding_length": TINY["hidden"],
         "feed_forward_length": TINY["ffn"], "attention.head_count": TINY["heads"],
         "attention.head_count_kv": TINY["kv_heads"], "attention.key_length": TINY["head_dim"],
         "rope.dimension_count": TINY["head_dim"], "rope.freq_base": 5000.0,
         "attention.layer_norm_rms_epsilon": 1e-6, "vocab_size": TINY["vocab"]}.items()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_models_equal_transformers(tmp_path, arch):
+    rng = np.random.default_rng(1)
+    meta = tiny_meta(arch)
     path = tmp_path / f"tiny-{arch}.gguf"
     _write(path, arch, _tiny_tensors(arch, rng, with_output=arch != "qwen3"), meta=meta)
 

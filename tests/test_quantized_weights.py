@@ -15,7 +15,7 @@ from heron.core.ops import linear, pack_weight
 from heron.core.ops.linear import unpack_weight
 from heron.core.ops.quantized import QuantizedWeight, kernel_available, quantized_linear
 from heron.plugins.transformer.gguf_loader import load_gguf
-from tests.test_gguf import TINY, _random_blocks, _tiny_tensors, _write
+from tests.test_gguf import TINY, _random_blocks, _tiny_tensors, _write, tiny_meta
 
 KEPT = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 
@@ -128,14 +128,8 @@ def _tiny_gguf(tmp_path, arch, uniform=False):
             # scaled as trained weights are, so activations stay in range layer to layer
             array = array / np.sqrt(array.shape[1])
             tensors[name] = (array, KEPT[int(name.split(".")[1]) % 2 + 1] if uniform else qtype)
-    meta = {f"{arch}.{k}": v for k, v in {
-        "context_length": 512, "block_count": TINY["layers"], "embedding_length": TINY["hidden"],
-        "feed_forward_length": TINY["ffn"], "attention.head_count": TINY["heads"],
-        "attention.head_count_kv": TINY["kv_heads"], "attention.key_length": TINY["head_dim"],
-        "rope.dimension_count": TINY["head_dim"], "rope.freq_base": 5000.0,
-        "attention.layer_norm_rms_epsilon": 1e-6, "vocab_size": TINY["vocab"]}.items()}
     path = tmp_path / f"tiny-{arch}.gguf"
-    _write(path, arch, tensors, meta=meta)
+    _write(path, arch, tensors, meta=tiny_meta(arch))
     return path, {name: qtype for name, (_, qtype) in tensors.items()}
 
 

@@ -70,10 +70,6 @@ class QuantizedWeight:
     def is_cuda(self) -> bool:
         return False
 
-    @property
-    def is_mkldnn(self) -> bool:
-        return False
-
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 ``[out, in]`` weight, gguf's values (by the kernel where it builds),
         written into ``out`` if given (float32, at least as many elements)."""
