@@ -43,7 +43,7 @@ def gguf_values(w: QuantizedWeight) -> torch.Tensor:
 def test_the_kernel_reads_gguf_values_exactly(qtype, path, monkeypatch):
     """One-hot rows pick single weights out: exact sums, so the product is the weight itself,
     bit for bit gguf's dequantization (scales, offsets, nibble order, signs), through the
-    kernel's tiles and through its dequantized weight (many rows)."""
+    kernel's tiles, its one-row path and its dequantized weight (many rows)."""
     from heron.core.ops import quantized
     monkeypatch.setattr(quantized, "DEQUANTIZED_ROWS", 10**9 if path == "tiles" else 1)
     w = random_weight(qtype, 37, 96)
@@ -51,6 +51,8 @@ def test_the_kernel_reads_gguf_values_exactly(qtype, path, monkeypatch):
     assert torch.isfinite(expected).all() and (expected != 0).any()
     picked = quantized_linear(torch.eye(96), w)
     assert torch.equal(picked.T, expected)
+    for j in range(0, 96, 7):  # one row at a time: a decode step's path
+        assert torch.equal(quantized_linear(torch.eye(96)[j:j + 1], w)[0], expected[:, j])
     assert torch.equal(w.dequantize(), expected)
 
 

@@ -6,6 +6,7 @@
 // buffer (exactly gguf's values: d * q is exact in float32, so fused or not, d * q + m
 // rounds once, as numpy's two ops do) and multiplies it with a block of rows of x, so the
 // result differs from a float32 matmul of the dequantized weight only in summation order.
+// A single row of x (with AVX2) multiplies each block in registers instead.
 //
 // QTYPE: 2 Q4_0 (fp16 d, 16 bytes of nibbles: d * (q - 8)), 3 Q4_1 (fp16 d, fp16 m, nibbles:
 // d * q + m), 8 Q8_0 (fp16 d, 32 int8: d * q); ggml's type numbers. A block holds 32 values:
@@ -37,14 +38,49 @@ inline float half_to_float(const uint8_t *p)
     return (float)h;
 }
 
-// 32 values from bytes q (8-bit ints; with NIBBLES, 16 bytes whose low then high halves are
-// the values) as float32 d * q + m into w. d * q is exact in float32 (11 by 8 significant
-// bits at most), so fused or not, d * q + m rounds once, as gguf's numpy does; and with
-// m = -8 d, d * q + m is (q - 8) * d exactly, which a float32 holds.
-template <bool NIBBLES, bool SIGNED>
-inline void expand(const uint8_t *q, float d, float m, float *w)
+#if QTYPE == 2
+constexpr int64_t BLOCK_BYTES = 18;
+constexpr bool NIBBLES = true, SIGNED = false;
+// block b's quantized bytes q and its values' d * q + m (with m = -8 d, d * q + m is
+// (q - 8) * d exactly, which a float32 holds)
+inline const uint8_t *params(const uint8_t *b, float &d, float &m)
 {
+    d = half_to_float(b);
+    m = -8.0f * d;
+    return b + 2;
+}
+#elif QTYPE == 3
+constexpr int64_t BLOCK_BYTES = 20;
+constexpr bool NIBBLES = true, SIGNED = false;
+inline const uint8_t *params(const uint8_t *b, float &d, float &m)
+{
+    d = half_to_float(b);
+    m = half_to_float(b + 2);
+    return b + 4;
+}
+#elif QTYPE == 8
+constexpr int64_t BLOCK_BYTES = 34;
+constexpr bool NIBBLES = false, SIGNED = true;
+inline const uint8_t *params(const uint8_t *b, float &d, float &m)
+{
+    d = half_to_float(b);
+    m = 0.0f;
+    return b + 2;
+}
+#else
+#error "QTYPE must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)"
+#endif
+
+// A block's 32 values from its bytes q (8-bit ints; nibbles: 16 bytes whose low then high
+// halves are the values) as float32 d * q + m. d * q is exact in float32 (11 by 8
+// significant bits at most), so fused or not, d * q + m rounds once, as gguf's numpy does.
 #if defined(__AVX2__) && defined(__FMA__)
+#define BLOCK_IN_REGISTERS 1
+// ... as four registers of 8 values, in order
+inline void dequantize(const uint8_t *b, __m256 w[4])
+{
+    float d, m;
+    const uint8_t *q = params(b, d, m);
     const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
     __m128i bytes[2];
     if (NIBBLES) {
@@ -61,38 +97,26 @@ inline void expand(const uint8_t *q, float d, float m, float *w)
             const __m128i part = e ? _mm_srli_si128(bytes[h], 8) : bytes[h];
             const __m256 v = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(part)
                                                        : _mm256_cvtepu8_epi32(part));
-            _mm256_storeu_ps(w + 16 * h + 8 * e, _mm256_fmadd_ps(v, vd, vm));
+            w[2 * h + e] = _mm256_fmadd_ps(v, vd, vm);
         }
+}
+inline void dequantize(const uint8_t *b, float *w)
+{
+    __m256 r[4];
+    dequantize(b, r);
+    for (int k = 0; k < 4; ++k) _mm256_storeu_ps(w + 8 * k, r[k]);
+}
 #else
+inline void dequantize(const uint8_t *b, float *w)
+{
+    float d, m;
+    const uint8_t *q = params(b, d, m);
     for (int i = 0; i < 32; ++i) {
         const int v = NIBBLES ? (i < 16 ? q[i] & 0x0f : q[i - 16] >> 4)
                               : (SIGNED ? (int)(int8_t)q[i] : (int)q[i]);
         w[i] = (float)v * d + m;
     }
-#endif
 }
-
-#if QTYPE == 2
-constexpr int64_t BLOCK_BYTES = 18;
-inline void dequantize(const uint8_t *b, float *w)
-{
-    const float d = half_to_float(b);
-    expand<true, false>(b + 2, d, -8.0f * d, w);
-}
-#elif QTYPE == 3
-constexpr int64_t BLOCK_BYTES = 20;
-inline void dequantize(const uint8_t *b, float *w)
-{
-    expand<true, false>(b + 4, half_to_float(b), half_to_float(b + 2), w);
-}
-#elif QTYPE == 8
-constexpr int64_t BLOCK_BYTES = 34;
-inline void dequantize(const uint8_t *b, float *w)
-{
-    expand<false, true>(b + 2, half_to_float(b), 0.0f, w);
-}
-#else
-#error "QTYPE must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)"
 #endif
 
 // y[i][j] = x[i] . wt[j] for i < mt, j < nt; wt rows are K floats apart
@@ -116,12 +140,47 @@ void tile(const float *x, int64_t x_stride, const float *wt, int64_t K, float *y
             y[i * y_stride + j] = vsum(acc[i][j]);
 }
 
+#ifdef BLOCK_IN_REGISTERS
+// One row of x by weight rows [n0, n1): a block dequantized into registers and multiplied
+// there, with no buffer to write and read back (a decode step's single row)
+void row(const float *x, const uint8_t *w, int64_t row_bytes, int64_t K, float *y, int64_t n0,
+         int64_t n1)
+{
+    for (int64_t n = n0; n < n1; ++n) {
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                         _mm256_setzero_ps()};
+        const uint8_t *wr = w + n * row_bytes;
+        for (int64_t b = 0; b < K / 32; ++b) {
+            __m256 v[4];
+            dequantize(wr + b * BLOCK_BYTES, v);
+            for (int k = 0; k < 4; ++k)
+                acc[k] = _mm256_fmadd_ps(v[k], _mm256_loadu_ps(x + b * 32 + 8 * k), acc[k]);
+        }
+        const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]),
+                                         _mm256_add_ps(acc[2], acc[3]));
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, sum);
+        y[n] = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
+             + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+    }
+}
+#endif
+
 }  // namespace
 
 extern "C" void heron_quant_linear(const float *x, int64_t x_stride, const uint8_t *w,
                                    float *y, int64_t y_stride, int64_t M, int64_t N, int64_t K)
 {
     const int64_t row_bytes = K / 32 * BLOCK_BYTES;
+#ifdef BLOCK_IN_REGISTERS
+    if (M == 1) {
+        constexpr int64_t ROWS = 16;  // weight rows a task takes
+        #pragma omp parallel for schedule(static) if (N * K >= (1 << 18))
+        for (int64_t n0 = 0; n0 < N; n0 += ROWS)
+            row(x, w, row_bytes, K, y, n0, n0 + ROWS < N ? n0 + ROWS : N);
+        return;
+    }
+#endif
     const int64_t groups = (N + NT - 1) / NT, mblocks = (M + MB - 1) / MB;
     // one row through a narrow weight is microseconds of work: waking threads costs more
     #pragma omp parallel if (M * N * K >= (1 << 18))
