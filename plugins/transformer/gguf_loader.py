@@ -202,13 +202,12 @@ def load_gguf(path: str | Path, keep_quantized: bool = False
             continue
         name = _hf_name(tensor.name)
         proj = name.split(".")[-2]
+        tied_head = name == "model.embed_tokens.weight" and config["tie_word_embeddings"]
         kept = _kept(tensor) if keep_quantized and (
-            name.endswith("_proj.weight") or name in ("lm_head.weight",
-                                                       "model.embed_tokens.weight")) else None
-        if name == "model.embed_tokens.weight" and kept is not None:
-            if config["tie_word_embeddings"]:
-                state_dict["lm_head.weight"] = kept
-            kept = None  # the lookup reads float32 rows
+            name.endswith("_proj.weight") or name == "lm_head.weight" or tied_head) else None
+        if kept is not None and tied_head:
+            state_dict["lm_head.weight"] = kept
+            kept = None  # the lookup itself reads float32 rows
         if kept is not None:
             if permuted and proj in n_heads:  # whole rows move: blocks as values
                 kept.blocks = torch.from_numpy(np.ascontiguousarray(

@@ -38,38 +38,21 @@ inline float half_to_float(const uint8_t *p)
     return (float)h;
 }
 
-#if QTYPE == 2
-constexpr int64_t BLOCK_BYTES = 18;
-constexpr bool NIBBLES = true, SIGNED = false;
-// block b's quantized bytes q and its values' d * q + m (with m = -8 d, d * q + m is
-// (q - 8) * d exactly, which a float32 holds)
-inline const uint8_t *params(const uint8_t *b, float &d, float &m)
-{
-    d = half_to_float(b);
-    m = -8.0f * d;
-    return b + 2;
-}
-#elif QTYPE == 3
-constexpr int64_t BLOCK_BYTES = 20;
-constexpr bool NIBBLES = true, SIGNED = false;
-inline const uint8_t *params(const uint8_t *b, float &d, float &m)
-{
-    d = half_to_float(b);
-    m = half_to_float(b + 2);
-    return b + 4;
-}
-#elif QTYPE == 8
-constexpr int64_t BLOCK_BYTES = 34;
-constexpr bool NIBBLES = false, SIGNED = true;
-inline const uint8_t *params(const uint8_t *b, float &d, float &m)
-{
-    d = half_to_float(b);
-    m = 0.0f;
-    return b + 2;
-}
-#else
+#if QTYPE != 2 && QTYPE != 3 && QTYPE != 8
 #error "QTYPE must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)"
 #endif
+// a block: fp16 d, then (Q4_1) fp16 m, then the quantized bytes
+constexpr int64_t BLOCK_BYTES = QTYPE == 2 ? 18 : QTYPE == 3 ? 20 : 34;
+constexpr bool NIBBLES = QTYPE != 8, SIGNED = QTYPE == 8;
+
+// block b's quantized bytes, and d and m of its values' d * q + m (Q4_0's m = -8 d: then
+// d * q + m is (q - 8) * d exactly, which a float32 holds)
+inline const uint8_t *params(const uint8_t *b, float &d, float &m)
+{
+    d = half_to_float(b);
+    m = QTYPE == 3 ? half_to_float(b + 2) : QTYPE == 2 ? -8.0f * d : 0.0f;
+    return b + (QTYPE == 3 ? 4 : 2);
+}
 
 // A block's 32 values from its bytes q (8-bit ints; nibbles: 16 bytes whose low then high
 // halves are the values) as float32 d * q + m. d * q is exact in float32 (11 by 8
@@ -156,12 +139,8 @@ void row(const float *x, const uint8_t *w, int64_t row_bytes, int64_t K, float *
             for (int k = 0; k < 4; ++k)
                 acc[k] = _mm256_fmadd_ps(v[k], _mm256_loadu_ps(x + b * 32 + 8 * k), acc[k]);
         }
-        const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]),
-                                         _mm256_add_ps(acc[2], acc[3]));
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, sum);
-        y[n] = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6]))
-             + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+        y[n] = sum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]),
+                                  _mm256_add_ps(acc[2], acc[3])));
     }
 }
 #endif

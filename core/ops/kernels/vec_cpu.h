@@ -48,17 +48,21 @@ inline vec vload(const bf16_t *p)
 }
 inline void vstore(float *p, vec x) { *reinterpret_cast<vec_u *>(p) = x; }
 
-// The sum of x's lanes: halves added pairwise down to 4, then (0 + 2) + (1 + 3)
+typedef float v8 __attribute__((vector_size(32)));
+// The sum of a vector's lanes: halves added pairwise down to 4, then (0 + 2) + (1 + 3)
+inline float sum8(v8 a)
+{
+    const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
 inline float vsum(vec x)
 {
 #if VEC_FLOATS == 16
-    const auto a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
-                 + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    return sum8(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+                + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
 #else
-    const vec a = x;
+    return sum8(x);
 #endif
-    const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 // The sum of the 16 lanes 16 / VL vectors hold, in the same order whatever VL
 inline float hsum16(const vec *x)
