@@ -18,9 +18,12 @@ import heron.core.ops.attention as attention
 from heron.core import cpu_kernels
 from heron.core.ops import paged_attention_ref
 from tests.gpu.cases import make_paged_case
-from tests.test_cpu_prefill_kernel import (on_one_and_on_several_threads, prompt_case,
-                                           vector_width)  # noqa: F401 (a fixture)
+from tests.kernel_utils import vector_widths
+from tests.test_cpu_prefill_kernel import on_one_and_on_several_threads, prompt_case
 from tests.test_paged_attention import share_blocks, written_out
+
+
+vector_width = vector_widths(attention, "_kernels")
 
 
 def decode_case(seq_lens, *, num_q_heads=6, num_kv_heads=2, head_dim=32, block_size=4, seed=0):

@@ -11,6 +11,7 @@ import heron.core.ops.attention as attention
 import heron.core.ops.norm as norm
 from heron.core.ops import rms_norm, rms_norm_ref, rope_cos_sin_cache, rotary_write_kv
 from heron.core.ops.attention import rotary_write_kv_ref
+from tests.kernel_utils import vector_widths
 
 
 def written_out_norm(x, weight, eps, residual=None):
@@ -24,13 +25,7 @@ def compiled_norm(x, weight, eps, residual=None):
     return out
 
 
-@pytest.fixture(params=[8, 16], ids=["8-wide", "16-wide"])
-def vector_width(request, monkeypatch):
-    """The RMSNorm kernel built for vectors of 8 floats (AVX2's registers) and of 16
-    (AVX-512's), whatever this machine's."""
-    kernel = norm._norm_kernel
-    monkeypatch.setattr(norm, "_norm_kernel", lambda dtype: kernel(dtype, request.param))
-    return request.param
+vector_width = vector_widths(norm, "_norm_kernel")
 
 
 @pytest.mark.parametrize("rows, n", [(1, 576), (7, 64), (300, 576), (5, 100), (2, 8)])

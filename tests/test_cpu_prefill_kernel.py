@@ -13,6 +13,7 @@ import torch
 import heron.core.ops.attention as attention
 from heron.core.ops import paged_attention_ref
 from tests.gpu.cases import make_paged_case
+from tests.kernel_utils import vector_widths
 from tests.test_paged_attention import written_out
 
 
@@ -38,14 +39,7 @@ def on_one_and_on_several_threads(run):
         torch.set_num_threads(threads)
 
 
-@pytest.fixture(params=[8, 16], ids=["8-wide", "16-wide"])
-def vector_width(request, monkeypatch):
-    """The attention kernels built for vectors of 8 floats (AVX2's registers) and of 16
-    (AVX-512's), whatever this machine's."""
-    kernels = attention._kernels
-    monkeypatch.setattr(attention, "_kernels",
-                        lambda head_dim, dtype: kernels(head_dim, dtype, request.param))
-    return request.param
+vector_width = vector_widths(attention, "_kernels")
 
 
 def compiled(case) -> torch.Tensor:

@@ -11,10 +11,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from heron.core import cpu_kernels
-from heron.core.ops import linear, pack_weight
+from heron.core.ops import linear, pack_weight, quantized
 from heron.core.ops.linear import unpack_weight
 from heron.core.ops.quantized import QuantizedWeight, kernel_available, quantized_linear
 from heron.plugins.transformer.gguf_loader import load_gguf
+from tests.kernel_utils import vector_widths
 from tests.test_gguf import TINY, _random_blocks, _tiny_tensors, _write, tiny_meta
 
 KEPT = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
@@ -44,7 +45,6 @@ def test_the_kernel_reads_gguf_values_exactly(qtype, path, monkeypatch):
     """One-hot rows pick single weights out: exact sums, so the product is the weight itself,
     bit for bit gguf's dequantization (scales, offsets, nibble order, signs), through the
     kernel's tiles, its one-row path and its dequantized weight (many rows)."""
-    from heron.core.ops import quantized
     monkeypatch.setattr(quantized, "DEQUANTIZED_ROWS", 10**9 if path == "tiles" else 1)
     w = random_weight(qtype, 37, 96)
     expected = gguf_values(w)
@@ -56,14 +56,7 @@ def test_the_kernel_reads_gguf_values_exactly(qtype, path, monkeypatch):
     assert torch.equal(w.dequantize(), expected)
 
 
-@pytest.fixture(params=[8, 16], ids=["8-wide", "16-wide"])
-def vector_width(request, monkeypatch):
-    """The kernel built for vectors of 8 floats (AVX2's registers) and of 16 (AVX-512's),
-    whatever this machine's."""
-    from heron.core.ops import quantized
-    kernel = quantized._kernel
-    monkeypatch.setattr(quantized, "_kernel", lambda qtype: kernel(qtype, request.param))
-    return request.param
+vector_width = vector_widths(quantized, "_kernel")
 
 
 @pytest.mark.parametrize("qtype", KEPT, ids=lambda q: q.name)
