@@ -28,6 +28,9 @@ def check_request(app: web.Application, req: SamplingFields) -> str | None:
     if req.stream_options is not None and not req.stream:
         raise bad_request("`stream_options` is only allowed with `stream: true`",
                           param="stream_options")
+    if getattr(req, "prompt_logprobs", None) is not None and req.stream:
+        raise bad_request("`prompt_logprobs` are not available with `stream: true`",
+                          param="prompt_logprobs")
     check_limits(app[CONFIG].server, req)
     return check_model(app, req.model)
 

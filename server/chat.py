@@ -19,7 +19,7 @@ from heron.server.appkeys import ASYNC_ENGINE, CONFIG, REASONING, TOKEN_TEXTS
 from heron.server.embeddings import refuse_embedding_model
 from heron.server.errors import bad_request, decode_body
 from heron.server.generation import Generation
-from heron.server.logprob_format import chat_logprobs, token_id_text
+from heron.server.logprob_format import chat_logprobs, prompt_logprobs, token_id_text
 from heron.server.protocol import ChatCompletionRequest, NamedToolChoice
 from heron.server.reasoning import ReasoningParser, ReasoningSplit, plan_thinking
 from heron.server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -57,6 +57,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
     params = sampling_params(app, req, max_tokens=max_tokens,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                             prompt_logprobs=req.prompt_logprobs,
                              structured=tools.structured if tools else None)
     reasoning = app[REASONING]
     thinking = plan_thinking(reasoning, prompt_ids, params)
@@ -86,7 +87,10 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                 token_ids=c.token_ids if ids else UNSET))
         body = ChatCompletionResponse(id=gen.id, created=gen.created, model=gen.model,
                                       choices=choices, usage=_usage(gen, reasoning, thinking),
-                                      prompt_token_ids=prompt_ids if ids else UNSET)
+                                      prompt_token_ids=prompt_ids if ids else UNSET,
+                                      prompt_logprobs=UNSET if req.prompt_logprobs is None
+                                      else prompt_logprobs(gen.prompt_logprobs[0],
+                                                           req.prompt_logprobs, text_of))
         return json_response(body)
 
 

@@ -2,7 +2,8 @@
 
 ``echo`` prepends each prompt (and, with ``logprobs``, its prompt logprobs, the first token
 having none). ``max_tokens: 0`` with ``echo`` scores the prompt without generating, the way
-evaluation harnesses use the API.
+evaluation harnesses use the API. vLLM's ``prompt_logprobs`` puts them in each choice's
+own field, in vLLM's shape, echo or not.
 
 On a translation model ``prompt`` is the source text (a string or strings) and
 ``src_lang`` / ``tgt_lang`` / ``num_beams`` apply (`heron.server.translation_jobs`).
@@ -21,7 +22,7 @@ from heron.server.embeddings import refuse_embedding_model
 from heron.server.errors import bad_request, decode_body
 from heron.server.generation import Choice, Generation
 from heron.server.logprob_format import (completion_logprobs, generated_offsets,
-                                         prompt_offsets, token_id_text)
+                                         prompt_logprobs, prompt_offsets, token_id_text)
 from heron.server.protocol import CompletionRequest
 from heron.server.responses import (CompletionChoice, CompletionLogprobs, CompletionResponse,
                                     api_finish_reason, json_response)
@@ -52,8 +53,10 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         check_queue_room(request.app, prompts, "prompt")
         for ids in prompts:
             check_fits(request.app, ids, max_tokens, "prompt")
+    asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs)
+             if k is not None]
     params = sampling_params(request.app, req, max_tokens=max_tokens, logprobs=req.logprobs,
-                             prompt_logprobs=req.logprobs if req.echo else None)
+                             prompt_logprobs=max(asked, default=None))
     check_beams(request.app, params)
     view = _View(request, req, texts, prompts, score_only)
     async with Generation(request, "cmpl", prompts, params, req.cache_salt,
@@ -100,7 +103,8 @@ class _View:
         entries = gen.prompt_logprobs.get(p, [])
         ids = self.prompts[p][:len(entries)]
         offsets = prompt_offsets(self.tokenizer, ids, self.texts[p])
-        return self.texts[p], completion_logprobs(entries, self.text_of, ids, offsets)
+        return self.texts[p], completion_logprobs(entries, self.text_of, ids, offsets,
+                                                  num_top=self.req.logprobs)
 
     def whole_choice(self, gen: Generation, c: Choice) -> CompletionChoice:
         text, logprobs = self._echo(gen, c.prompt_index) if self.req.echo else ("", None)
@@ -117,7 +121,10 @@ class _View:
                                 stop_reason=None if self.score_only else c.stop_reason,
                                 prompt_token_ids=self.prompts[c.prompt_index] if ids else UNSET,
                                 token_ids=([] if self.score_only else c.token_ids) if ids
-                                else UNSET)
+                                else UNSET,
+                                prompt_logprobs=UNSET if self.req.prompt_logprobs is None
+                                else prompt_logprobs(gen.prompt_logprobs[c.prompt_index],
+                                                     self.req.prompt_logprobs, self.text_of))
 
     def _chunk(self, gen: Generation, choices: list[CompletionChoice]) -> CompletionResponse:
         options = self.req.stream_options

@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 
 from heron.core.detokenizer import IncrementalDetokenizer
 from heron.core.logprobs import TokenLogprobs
-from heron.server.responses import ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from heron.server.responses import (ChatTokenLogprob, CompletionLogprobs, PromptLogprob,
+                                    PromptLogprobs, TopLogprob)
 
 _FLOOR = -9999.0  # JSON has no -inf; vLLM reports impossible tokens the same way
 
@@ -57,10 +58,13 @@ class TokenTexts:
 
 def completion_logprobs(entries: Sequence[TokenLogprobs | None], text_of: Callable[[int], str],
                         token_ids: Sequence[int], offsets: Sequence[int],
-                        into: CompletionLogprobs | None = None) -> CompletionLogprobs:
+                        into: CompletionLogprobs | None = None,
+                        num_top: int | None = None) -> CompletionLogprobs:
     """Append ``entries`` (one per ``token_ids``; None for a first prompt token) and the
     tokens' ``offsets`` into the response's text to ``into``. As in OpenAI's API, a token's
-    top logprobs include its own (up to ``logprobs + 1`` entries)."""
+    top logprobs include its own (up to ``logprobs + 1`` entries); ``num_top`` cuts entries
+    that hold more alternatives than asked for (prompt entries computed for
+    ``prompt_logprobs``)."""
     out = into if into is not None else CompletionLogprobs()
     for token_id, entry, offset in zip(token_ids, entries, offsets, strict=True):
         text = text_of(token_id)
@@ -72,10 +76,30 @@ def completion_logprobs(entries: Sequence[TokenLogprobs | None], text_of: Callab
             continue
         logprob = _finite(entry.logprob)
         out.token_logprobs.append(logprob)
-        top = {text_of(t): _finite(lp) for t, lp in entry.top}
+        top = {text_of(t): _finite(lp) for t, lp in entry.top[:num_top]}
         top[text] = logprob  # over another token of the same text (pieces of characters)
         out.top_logprobs.append(top)
     return out
+
+
+def prompt_logprobs(entries: Sequence[TokenLogprobs | None], num_top: int,
+                    text_of: Callable[[int], str]) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: for each prompt token (None for the first), the token's
+    own entry, then the ``num_top`` most likely with ranks 1 to ``num_top`` (the prompt's
+    token keeps its own rank when it is among them)."""
+    result: PromptLogprobs = []
+    for entry in entries:
+        if entry is None:
+            result.append(None)
+            continue
+        by_id = {entry.token_id: PromptLogprob(logprob=_finite(entry.logprob), rank=entry.rank,
+                                               decoded_token=text_of(entry.token_id))}
+        for rank, (token_id, logprob) in enumerate(entry.top[:num_top], start=1):
+            if token_id not in by_id:
+                by_id[token_id] = PromptLogprob(logprob=_finite(logprob), rank=rank,
+                                                decoded_token=text_of(token_id))
+        result.append(by_id)
+    return result
 
 
 def generated_offsets(entries: Sequence[TokenLogprobs], start: int) -> list[int]:

@@ -137,6 +137,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
     max_tokens: NonNegInt | None = 16
     echo: bool = False
     logprobs: NumLogprobs | None = None
+    # vLLM's: each prompt token's logprob and the k most likely in its place (not streamed)
+    prompt_logprobs: NumLogprobs | None = None
     suffix: str | None = None
     # translation models only (then ``prompt`` is the source text)
     src_lang: LanguageCodes | None = None
@@ -250,6 +252,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     truncate_prompt_tokens: TruncatePromptTokens = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
+    # vLLM's: each prompt token's logprob and the k most likely in its place (not streamed)
+    prompt_logprobs: NumLogprobs | None = None
     # vLLM extras for the chat template
     add_generation_prompt: bool = True
     # the answer continues the final message (an assistant's start, say); needs

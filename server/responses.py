@@ -33,6 +33,19 @@ class Usage(_Out, kw_only=True):
 
 # -- /v1/completions ---------------------------------------------------------------------
 
+class PromptLogprob(_Out, kw_only=True):
+    """vLLM's shape of one token's entry in ``prompt_logprobs``."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's ``prompt_logprobs``: per prompt token (None for the first), token id -> its entry,
+# the prompt's own token first, then the k most likely
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionLogprobs(_Out, kw_only=True):
     """Parallel lists, one entry per token; the first prompt token (with ``echo``) has None."""
 
@@ -53,6 +66,7 @@ class CompletionChoice(_Out, kw_only=True):
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | UnsetType = UNSET
     token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
 
 
 class CompletionResponse(_Out, kw_only=True):
@@ -139,6 +153,7 @@ class ChatCompletionResponse(_Out, kw_only=True):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
 
 
 class ChatDelta(_Out, kw_only=True, omit_defaults=True):

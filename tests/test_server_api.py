@@ -9,6 +9,8 @@ import jsonschema
 import openai
 import pytest
 import structlog
+import torch
+from transformers import AutoModelForCausalLM
 
 from heron.core.engine import Engine
 from tests.server_utils import ServerThread, server_config
@@ -170,6 +172,67 @@ def test_completion_logprobs_and_echo(server, client, tokenizer):
     assert after[generated] == before[generated]
     assert after["heron_prompt_tokens_total"] == before["heron_prompt_tokens_total"] + len(ids)
     assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(ids)]
+
+
+def _reference_prompt_logprobs(server, ids: list[int]) -> torch.Tensor:
+    """transformers' log-softmax at each prompt position of the served tiny model."""
+    model = AutoModelForCausalLM.from_pretrained(server.config.model.path,
+                                                 dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def _check_prompt_logprobs(entries, ids, ref, k, tokenizer):
+    assert len(entries) == len(ids) and entries[0] is None
+    for i, entry in enumerate(entries[1:], start=1):
+        row, own = ref[i - 1], ids[i]
+        keys = [int(key) for key in entry]
+        assert keys[0] == own  # the prompt's token first, with its true rank
+        assert entry[str(own)]["logprob"] == pytest.approx(row[own].item(), abs=1e-4)
+        assert entry[str(own)]["rank"] == int((row >= row[own]).sum())
+        top = row.topk(k).indices.tolist()
+        assert set(keys) == {own, *top} and len(entry) in (k, k + 1)
+        for rank, token in enumerate(top, start=1):
+            got = entry[str(token)]
+            assert got["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+            assert got["decoded_token"] == tokenizer.decode([token])
+            assert got["rank"] == rank or token == own
+
+
+def test_prompt_logprobs_match_transformers(server, client, tokenizer):
+    """vLLM's ``prompt_logprobs``: each prompt token's logprob and rank and the k most likely
+    in its place, keyed by token id, in each choice (completions) or the response (chat);
+    checked against transformers on the served weights."""
+    prompts = [PROMPT, "def add(a, b):"]
+    refs = {p: _reference_prompt_logprobs(server, tokenizer.encode(p)) for p in prompts}
+    out = completion(client, prompt=prompts, n=2, max_tokens=2,
+                     extra_body={"ignore_eos": True, "prompt_logprobs": 3})
+    assert len(out.choices) == 4
+    for c in out.choices:
+        prompt = prompts[c.index // 2]
+        _check_prompt_logprobs(c.prompt_logprobs, tokenizer.encode(prompt), refs[prompt], 3,
+                               tokenizer)
+    # with echo, the echoed logprobs keep to `logprobs` alternatives
+    echoed = completion(client, logprobs=1, echo=True, max_tokens=0,
+                        extra_body={"prompt_logprobs": 4}).choices[0]
+    assert all(len(top) <= 2 for top in echoed.logprobs.top_logprobs[1:])
+    _check_prompt_logprobs(echoed.prompt_logprobs, tokenizer.encode(PROMPT), refs[PROMPT], 4,
+                           tokenizer)
+    assert completion(client, max_tokens=1).choices[0].model_extra.get("prompt_logprobs") is None
+
+    messages = [{"role": "user", "content": "Hello"}]
+    answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                            extra_body={"prompt_logprobs": 0})
+    ids = json.loads(server.http("POST", "/tokenize", {"model": "tiny",
+                                                       "messages": messages})[2])["tokens"]
+    assert answer.usage.prompt_tokens == len(ids)
+    _check_prompt_logprobs(answer.prompt_logprobs, ids, _reference_prompt_logprobs(server, ids),
+                           0, tokenizer)
+    for create, args in ((client.completions.create, {"prompt": PROMPT}),
+                         (client.chat.completions.create, {"messages": messages})):
+        with pytest.raises(openai.BadRequestError) as streamed:
+            create(model="tiny", stream=True, extra_body={"prompt_logprobs": 1}, **args)
+        assert streamed.value.body["param"] == "prompt_logprobs"
 
 
 def test_completion_streaming_matches_whole(client):

@@ -56,6 +56,8 @@ MALFORMED = [
     ("POST", CMPL, cmpl(stream="yes"), 400, "stream"),
     ("POST", CMPL, cmpl(stop=5), 400, "stop"),
     ("POST", CMPL, cmpl(echo=1), 400, "echo"),
+    ("POST", CMPL, cmpl(prompt_logprobs=-1), 400, "prompt_logprobs"),
+    ("POST", CHAT, chat(prompt_logprobs=True, stream=True), 400, "prompt_logprobs"),
     ("POST", CHAT, chat(messages="hi"), 400, "messages"),
     ("POST", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content"),
     ("POST", CHAT, chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages[0].role"),

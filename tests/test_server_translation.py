@@ -192,10 +192,13 @@ def test_completions_errors_on_a_translation_model(server):
         client.completions.create(model="nllb", prompt="ka to", extra_body={
             "src_lang": ENG, "tgt_lang": FRA, "truncate_prompt_tokens": 2})
     assert e.value.body["param"] == "truncate_prompt_tokens"
-    for extra, param in (({"echo": True}, "echo"), ({"prompt": [5, 6, 7]}, "prompt")):
+    languages = {"src_lang": ENG, "tgt_lang": FRA}
+    for extra, param in (({"echo": True}, "echo"), ({"prompt": [5, 6, 7]}, "prompt"),
+                         ({"extra_body": {"prompt_logprobs": 1, **languages}},
+                          "prompt_logprobs")):
         with pytest.raises(openai.BadRequestError) as e:
-            client.completions.create(**{"model": "nllb", "prompt": "ka to", **extra,
-                                         "extra_body": {"src_lang": ENG, "tgt_lang": FRA}})
+            client.completions.create(**{"model": "nllb", "prompt": "ka to",
+                                         "extra_body": languages, **extra})
         assert e.value.body["param"] == param
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="nllb", messages=[{"role": "user", "content": "hi"}])
