@@ -8,7 +8,8 @@ reasoning parser work as in chat (`heron.server.tools`, `heron.server.reasoning`
 output is a ``reasoning`` item (the thinking, with a parser), then a ``message`` or the
 function calls; a stream sends the events that build them (`heron.server.response_output`),
 between ``response.created`` / ``response.in_progress`` and ``response.completed`` (or
-``response.incomplete`` when ``max_output_tokens`` cut the output).
+``response.incomplete`` when ``max_output_tokens`` cut the output, ``response.failed``
+when an error ended it).
 
 A finished response is kept unless the request says ``store: false``
 (`heron.server.response_store`): ``previous_response_id`` continues its conversation (the
@@ -258,14 +259,18 @@ async def _stream(request: web.Request, answer: _Answer) -> web.StreamResponse:
     async def produce() -> None:
         await send(ResponseCreated(response=answer.response("in_progress")))
         await send(ResponseInProgress(response=answer.response("in_progress")))
-        async for _, delta in answer.gen.deltas():
-            for sd in delta.seqs:
-                if sd.finish_reason in ("error", "abort"):
-                    await events.fail(answer.gen.failure())
-                    return None
-                for event in answer.feed(sd.text, sd.finish_reason):
-                    await send(event)
-        await send(answer.final(answer.gen.choices[(0, 0)]))
+        c = answer.gen.choices[(0, 0)]
+        try:
+            async for _, delta in answer.gen.deltas():
+                for sd in delta.seqs:
+                    if sd.finish_reason not in ("error", "abort"):
+                        for event in answer.feed(sd.text, sd.finish_reason):
+                            await send(event)
+        except APIError as e:  # past server.request_timeout_s
+            await send(answer.failed(c, e))
+            return None
+        error = answer.gen.failure()
+        await send(answer.final(c) if error is None else answer.failed(c, error))
         return None
 
     return await events.run(produce)
@@ -442,19 +447,20 @@ class _Answer:
                     if sd.finish_reason not in ("error", "abort"):
                         self._log(*self.feed(sd.text, sd.finish_reason))
         except APIError as e:  # past server.request_timeout_s
-            self._fail(c, e)
+            self._log(self.failed(c, e))
             return
         if self.gen.cancelled and c.finish_reason in (None, "abort"):  # not ended by itself
             self._keep(self.response("cancelled", self._usage(c)))
         elif (error := self.gen.failure()) is not None:
-            self._fail(c, error)
+            self._log(self.failed(c, error))
         else:
             self._log(self.final(c))
 
-    def _fail(self, c: Choice, error: APIError) -> None:
+    def failed(self, c: Choice, error: APIError) -> ResponseFailed:
+        """The last event of a response that ``error`` ended, kept as it ended."""
         failed = self.response("failed", self._usage(c), error=error)
         self._keep(failed)
-        self._log(ResponseFailed(response=failed))
+        return ResponseFailed(response=failed)
 
     def _log(self, *events: Event) -> None:
         if self.log is not None:

@@ -473,6 +473,22 @@ def test_a_background_response_past_the_deadline_fails(model_dir):
         _idle(s)
 
 
+def test_a_streamed_response_past_the_deadline_ends_failed_and_is_kept(model_dir):
+    """A foreground stream that fails ends with ``response.failed`` (its output so far and
+    the error), and the response is stored as it ended."""
+    with serve(model_dir, **{"server.request_timeout_s": 0.3}) as s:
+        events = list(respond(s, stream=True, **LONG))
+        last = events[-1]
+        assert last.type == "response.failed", [e.type for e in events[-3:]]
+        assert last.response.error.code == "request_timeout", last.response.error
+        assert 0 < last.response.usage.output_tokens < 900
+        assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+        kept = s.client().responses.retrieve(last.response.id)
+        assert kept.status == "failed" and kept.error.code == "request_timeout"
+        assert kept.output_text == last.response.output_text
+        _idle(s)
+
+
 def test_a_server_stopping_ends_its_background_responses(model_dir):
     with serve(model_dir) as s:
         running = respond(s, background=True, **LONG)
