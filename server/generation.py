@@ -80,7 +80,7 @@ class Generation:
         self.choices = {(p, i): Choice(p * n + i, p) for p in range(len(prompts)) for i in range(n)}
         self.prompt_logprobs: dict[int, list[TokenLogprobs | None]] = {}
         self.embeddings: dict[int, torch.Tensor] = {}  # an embedding model's, by prompt
-        self.num_cached_tokens = 0
+        self._cached_tokens: dict[int, int] = {}  # by prompt, known once it is scheduled
         self.arrival_s = arrival_of(request)
         self.first_token_s: float | None = None
         self.timeout_s = app[CONFIG].server.request_timeout_s
@@ -202,7 +202,7 @@ class Generation:
             self.prompt_logprobs[p] = delta.prompt_logprobs
         if delta.embedding is not None:
             self.embeddings[p] = delta.embedding
-        self.num_cached_tokens += delta.num_cached_tokens if delta.finished else 0
+        self._cached_tokens[p] = delta.num_cached_tokens
         for sd in delta.seqs:
             choice = self.choices[(p, sd.index)]
             if sd.token_ids:
@@ -244,6 +244,11 @@ class Generation:
                 return APIError(503, "the request was aborted: the server is shutting down",
                                 code="aborted")
         return None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """The prompts' tokens found in the prefix cache, so far as they were scheduled."""
+        return sum(self._cached_tokens.values())
 
     @property
     def num_prompt_tokens(self) -> int:

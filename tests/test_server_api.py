@@ -370,11 +370,18 @@ def test_chat_streaming_matches_whole(client):
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
     options = {"include_usage": True, "continuous_usage_stats": True}
-    for chunks in (list(chat(client, stream=True, stream_options=options)),
-                   list(completion(client, stream=True, stream_options=options))):
+    for create in (chat, completion):
+        list(create(client, stream=True, stream_options=options))  # the prompt is cached
+        chunks = list(create(client, stream=True, stream_options=options))
         counts = [c.usage.completion_tokens for c in chunks]
         assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
         assert counts == sorted(counts) and counts[0] < counts[-1] == 12
+        # its cached tokens show from the first token on
+        cached = [c.usage.prompt_tokens_details.cached_tokens for c in chunks if c.choices
+                  and (c.choices[0].text if hasattr(c.choices[0], "text")
+                       else c.choices[0].delta.content)]
+        assert cached and set(cached) == {chunks[-1].usage.prompt_tokens_details.cached_tokens}
+        assert cached[0] > 0
     # without include_usage it adds nothing, as in vLLM
     plain = list(chat(client, stream=True, stream_options={"include_usage": False,
                                                            "continuous_usage_stats": True}))
