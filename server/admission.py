@@ -302,11 +302,13 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     """OpenAI's ``logit_bias``, keyed by token id strings, keyed by ids."""
     by_id = {}
     for key, value in bias.items():
-        try:
-            by_id[int(key)] = value
-        except ValueError:
+        # only digits: int() would also take " 5", "+5", "5_0" and other scripts' digits
+        if not (key.isascii() and key.isdigit()):
             raise bad_request(f"logit_bias keys must be token ids; got {key!r}",
-                              param="logit_bias") from None
+                              param="logit_bias")
+        if int(key) in by_id:
+            raise bad_request(f"logit_bias names token {int(key)} twice", param="logit_bias")
+        by_id[int(key)] = value
     return by_id
 
 
