@@ -314,7 +314,8 @@ class EmbeddingRequest(_Body, kw_only=True):
 
 
 class TokenizeRequest(_Body, kw_only=True):
-    """vLLM's /tokenize: either ``prompt`` or chat ``messages``."""
+    """vLLM's /tokenize: either ``prompt`` or chat ``messages`` (with the chat request's
+    template fields: ``tools``, ``chat_template_kwargs``...)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -323,6 +324,10 @@ class TokenizeRequest(_Body, kw_only=True):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    # each token's vocabulary string too ("Ġthe" in byte-level vocabularies)
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(_Body, kw_only=True):

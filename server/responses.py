@@ -248,6 +248,7 @@ class TokenizeResponse(_Out, kw_only=True):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str | None] | UnsetType = UNSET  # with return_token_strs
 
 
 class DetokenizeResponse(_Out, kw_only=True):

@@ -136,6 +136,17 @@ def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
+def template_tools(functions: list) -> list[dict]:
+    """The chat template's ``tools`` of a request's ``functions``; a 400 if a name repeats."""
+    tools = [{"type": "function", "function": {k: v for k, v in (
+        ("name", f.name), ("description", f.description),
+        ("parameters", f.parameters)) if v is not None}} for f in functions]
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("`tools` names a function twice", param="tools")
+    return tools
+
+
 def plan_tools(functions: list | None, choice: str | None, named: str | None,
                parallel: bool | None, parser: str, constrained_by: str | None) -> ToolPlan | None:
     """The `ToolPlan` of a request's ``functions`` (each with ``name``, ``description`` and
@@ -148,12 +159,8 @@ def plan_tools(functions: list | None, choice: str | None, named: str | None,
         if named is not None or choice not in (None, "none", "auto"):
             raise bad_request("`tool_choice` needs `tools`", param="tool_choice")
         return None
-    tools = [{"type": "function", "function": {k: v for k, v in (
-        ("name", f.name), ("description", f.description),
-        ("parameters", f.parameters)) if v is not None}} for f in functions]
+    tools = template_tools(functions)
     names = [t["function"]["name"] for t in tools]
-    if len(set(names)) != len(names):
-        raise bad_request("`tools` names a function twice", param="tools")
     mode = "named" if named is not None else choice or "auto"
     if named is not None and named not in names:
         raise bad_request(f"`tool_choice` names the function `{named}`, which is not "

@@ -53,11 +53,16 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(model_dir):
+def server(model_dir):
     config = server_config(model_dir, **{"server.served_model_name": "tiny",
                                          "server.tool_call_parser": "hermes"})
     with ServerThread(config, Engine(config)) as server:
-        yield server.client()
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
 
 
 def chat(client, **kw):
@@ -66,14 +71,18 @@ def chat(client, **kw):
     return client.chat.completions.create(**args)
 
 
-def oracle_prompt_tokens(model_dir, messages, tools) -> int:
+def oracle_prompt(model_dir, messages, tools) -> list[int]:
     """transformers' rendering; earlier calls' arguments as objects, as templates take them."""
     plain = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(
         c["function"]["arguments"])}} for c in m["tool_calls"]]} if m.get("tool_calls") else m
         for m in messages]
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
-    return len(tokenizer.apply_chat_template(plain, tools=tools, tokenize=True,
-                                             add_generation_prompt=True)["input_ids"])
+    return tokenizer.apply_chat_template(plain, tools=tools, tokenize=True,
+                                         add_generation_prompt=True)["input_ids"]
+
+
+def oracle_prompt_tokens(model_dir, messages, tools) -> int:
+    return len(oracle_prompt(model_dir, messages, tools))
 
 
 def assert_valid(call) -> None:
@@ -148,6 +157,28 @@ HERMES_TEXTS = [
     "A <tool is no call <tool_cal",
     ' \n<tool_call>{"name": "get_time", "arguments": {"zone": ',  # cut short
 ]
+
+
+def test_tokenize_renders_tools_as_chat_does(server, client, model_dir):
+    """vLLM's /tokenize takes a chat request's ``tools`` and ``chat_template_kwargs``: the
+    ids are the prompt the chat request gets; ``return_token_strs`` adds the vocabulary's
+    strings."""
+    status, _, raw = server.http("POST", "/tokenize", {
+        "model": "tiny", "messages": HISTORY, "tools": TOOLS, "return_token_strs": True,
+        "chat_template_kwargs": {"unused_flag": True}})
+    out = json.loads(raw)
+    assert status == 200 and out["tokens"] == oracle_prompt(model_dir, HISTORY, TOOLS)
+    assert out["count"] == chat(client, messages=HISTORY, max_tokens=1).usage.prompt_tokens
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    assert out["token_strs"] == tokenizer.convert_ids_to_tokens(out["tokens"])
+    plain = json.loads(server.http("POST", "/tokenize", {"messages": HISTORY})[2])
+    assert plain["tokens"] == oracle_prompt(model_dir, HISTORY, None) and "token_strs" not in plain
+    for body, param in (({"messages": ASK, "chat_template_kwargs": {"tools": []},
+                          "tools": TOOLS}, "chat_template_kwargs"),
+                        ({"prompt": "hi", "tools": TOOLS}, "tools"),
+                        ({"messages": ASK, "tools": TOOLS + TOOLS[:1]}, "tools")):
+        status, _, raw = server.http("POST", "/tokenize", body)
+        assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
 
 
 def test_auto_streams_the_content_that_the_whole_answer_has():
