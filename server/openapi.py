@@ -26,14 +26,13 @@ ROUTES = (
      res.ChatCompletionResponse, True),
     ("post", "/v1/responses", "Responses API (kept for `previous_response_id` unless "
      "`store: false`)", resp_api.ResponsesRequest, resp_api.Response, True),
-    ("get", "/v1/responses/{response_id}", "A stored response (query: `stream=true` and "
+    ("get", "/v1/responses/{response_id}", "A stored response (`stream=true` and "
      "`starting_after` stream a background one made with `stream: true` again)", None,
      resp_api.Response, True),
     ("delete", "/v1/responses/{response_id}", "Drop a stored response", None,
      resp_api.ResponseDeleted, False),
     ("get", "/v1/responses/{response_id}/input_items", "The conversation a stored response "
-     "answered, newest first (query: `after`, `limit` 1-100, `order`)", None,
-     resp_api.InputItemList, False),
+     "answered, a page at a time", None, resp_api.InputItemList, False),
     ("post", "/v1/responses/{response_id}/cancel", "Stop a background response (one that "
      "ended comes back as it ended)", None, resp_api.Response, False),
     ("post", "/v1/embeddings", "Embeddings (embedding models: `model.task = \"embed\"`)",
@@ -51,6 +50,11 @@ ROUTES = (
 )
 
 
+# the query parameters of routes that take some
+QUERIES = {("get", "/v1/responses/{response_id}"): resp_api.RetrieveQuery,
+           ("get", "/v1/responses/{response_id}/input_items"): resp_api.InputItemsQuery}
+
+
 def _version() -> str:
     try:
         return importlib.metadata.version("heron")
@@ -65,7 +69,7 @@ def _json_content(schema: dict) -> dict:
 @functools.cache
 def openapi_document() -> bytes:
     types = [t for *_, body, out, _ in ROUTES for t in (body, out) if t not in (None, str)]
-    types += [res.ChatCompletionChunk, res.ErrorResponse]
+    types += [res.ChatCompletionChunk, res.ErrorResponse, *QUERIES.values()]
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     by_type = dict(zip(types, schemas))
     error = {"description": "error", "content": _json_content(by_type[res.ErrorResponse])}
@@ -82,9 +86,15 @@ def openapi_document() -> bytes:
                                   "default": error}}
         if body is not None:
             op["requestBody"] = {"required": True, "content": _json_content(by_type[body])}
-        if names := re.findall(r"\{(\w+)\}", path):
-            op["parameters"] = [{"name": name, "in": "path", "required": True,
-                                 "schema": {"type": "string"}} for name in names]
+        parameters = [{"name": name, "in": "path", "required": True,
+                       "schema": {"type": "string"}} for name in re.findall(r"\{(\w+)\}", path)]
+        if (query := QUERIES.get((method, path))) is not None:
+            fields = components.pop(query.__name__)  # inlined: a query is not a body
+            op["description"] = fields.get("description", "")
+            parameters += [{"name": name, "in": "query", "required": False, "schema": schema}
+                           for name, schema in fields["properties"].items()]
+        if parameters:
+            op["parameters"] = parameters
         if path in OPEN_PATHS:
             op["security"] = []
         paths.setdefault(path, {})[method] = op

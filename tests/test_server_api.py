@@ -69,6 +69,12 @@ def test_models_health_openapi(server, client):
     assert doc["paths"]["/health"]["get"]["security"] == []  # open routes say so
     schema = doc["components"]["schemas"]["CompletionRequest"]
     assert {"prompt", "max_tokens", "logprobs", "echo", "top_k", "min_p"} <= set(schema["properties"])
+    listing = doc["paths"]["/v1/responses/{response_id}/input_items"]["get"]["parameters"]
+    assert [(p["name"], p["in"]) for p in listing] == [
+        ("response_id", "path"), ("after", "query"), ("limit", "query"), ("order", "query")]
+    assert listing[2]["schema"]["maximum"] == 100
+    retrieve = doc["paths"]["/v1/responses/{response_id}"]["get"]["parameters"]
+    assert {p["name"] for p in retrieve if p["in"] == "query"} == {"stream", "starting_after"}
 
 
 def test_completion_prompt_forms_and_usage(client, tokenizer):
