@@ -63,10 +63,11 @@ def tokenizer_of(app: web.Application):
     return tokenizer
 
 
-def encode_prompts(app: web.Application, prompt: str | list[Any],
-                   field: str = "prompt") -> tuple[list[str], list[list[int]]]:
+def encode_prompts(app: web.Application, prompt: str | list[Any], field: str = "prompt",
+                   add_special_tokens: bool = True) -> tuple[list[str], list[list[int]]]:
     """A completion's ``prompt`` (string, strings, token ids, lists of token ids), or the
-    request ``field`` of that shape, as (texts, token ids), one entry per prompt."""
+    request ``field`` of that shape, as (texts, token ids), one entry per prompt; texts
+    with the tokenizer's special tokens unless ``add_special_tokens`` is false."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif any(type(t) is int for t in prompt):
@@ -84,7 +85,7 @@ def encode_prompts(app: web.Application, prompt: str | list[Any],
         if isinstance(item, str):
             tokenizer = tokenizer_of(app)
             texts.append(item)
-            ids.append(tokenizer.encode(item))
+            ids.append(tokenizer.encode(item, add_special_tokens=add_special_tokens))
         elif isinstance(item, list) and item and all(type(t) is int for t in item):
             if (bad := next((t for t in item if not 0 <= t < vocab), None)) is not None:
                 raise bad_request(f"token id {bad} in `{where}` is outside the vocabulary "

@@ -47,6 +47,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                        constrained_by(req))
     prompt_ids = chat_prompt(app, req.messages, add_generation_prompt=req.add_generation_prompt,
                              continue_final_message=req.continue_final_message,
+                             add_special_tokens=req.add_special_tokens,
                              template_kwargs=template_kwargs(req.reasoning_effort,
                                                              req.chat_template_kwargs),
                              tools=tools.template_tools if tools else None)

@@ -76,7 +76,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 def _prompts(app: web.Application, req: CompletionRequest) -> tuple[list[str], list[list[int]]]:
     """The prompts' texts and token ids, cut to their last ``truncate_prompt_tokens``; a cut
     prompt's text (what ``echo`` returns) is then its kept tokens'."""
-    texts, whole = encode_prompts(app, req.prompt)
+    texts, whole = encode_prompts(app, req.prompt, add_special_tokens=req.add_special_tokens)
     engine = app[ASYNC_ENGINE].engine
     prompts = truncate_prompts(whole, req.truncate_prompt_tokens, engine.max_model_len)
     return [text if len(ids) == len(before) or engine.tokenizer is None

@@ -134,6 +134,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
     prompt: str | list[Any]
     truncate_prompt_tokens: TruncatePromptTokens = None
+    # vLLM's: false leaves out the special tokens (a BOS) the tokenizer adds to a text prompt
+    add_special_tokens: bool = True
     max_tokens: NonNegInt | None = 16
     echo: bool = False
     logprobs: NumLogprobs | None = None
@@ -260,6 +262,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     # add_generation_prompt false
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: true adds the tokenizer's special tokens (a BOS) before the rendered template
+    add_special_tokens: bool = False
     # to the chat template as `reasoning_effort` (gpt-oss's reads it; most ignore it)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # accepted and ignored

@@ -451,10 +451,11 @@ def test_without_a_tokenizer_outputs_are_token_ids(tmp_path):
         assert len(choice.token_ids) == 4 == out.usage.completion_tokens
 
 
-def test_tokenize_adds_special_tokens_to_messages_only_when_asked(tmp_path):
+def test_special_tokens_are_added_to_messages_only_when_asked(tmp_path):
     """As vLLM: a prompt gets the tokenizer's BOS unless ``add_special_tokens`` is false;
-    messages, whose template writes its own, only when it is true. Messages follow chat's
-    rules (at least one; a user message needs content)."""
+    messages, whose template writes its own, only when it is true; the same in /tokenize,
+    completions and chat. Messages follow chat's rules (at least one; a user message needs
+    content)."""
     build_tiny("llama", tmp_path)
     settings = json.loads((tmp_path / "tokenizer_config.json").read_text())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**settings,
@@ -479,6 +480,16 @@ def test_tokenize_adds_special_tokens_to_messages_only_when_asked(tmp_path):
                             ({"messages": [{"role": "user"}]}, "messages[0].content")):
             status, _, answer = server.http("POST", "/tokenize", body)
             assert status == 400 and json.loads(answer)["error"]["param"] == param, answer
+        client = server.client()
+        for special in (True, False):
+            flag = {"return_token_ids": True, "add_special_tokens": special}
+            cmpl = client.completions.create(model="tiny", prompt="Hello", max_tokens=1,
+                                             extra_body=flag).choices[0]
+            assert cmpl.prompt_token_ids == tokens(prompt="Hello", add_special_tokens=special)
+            answer = client.chat.completions.create(model="tiny", messages=messages,
+                                                    max_tokens=1, extra_body=flag)
+            assert answer.prompt_token_ids == tokens(messages=messages,
+                                                     add_special_tokens=special)
 
 
 def test_request_id_is_echoed_and_logged(server, client):
