@@ -1,4 +1,5 @@
-"""Small read-only routes: /health, /v1/models (and one by id), /metrics, /openapi.json."""
+"""Small read-only routes: /health, /version, /v1/models (and one by id), /metrics,
+/openapi.json."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ from aiohttp import web
 
 from heron.server.appkeys import ASYNC_ENGINE, CREATED_AT, METRICS, MODEL_NAME
 from heron.server.errors import APIError
-from heron.server.openapi import openapi_document
-from heron.server.responses import HealthResponse, ModelCard, ModelList, json_response
+from heron.server.openapi import heron_version, openapi_document
+from heron.server.responses import (HealthResponse, ModelCard, ModelList, VersionResponse,
+                                    json_response)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -18,6 +20,10 @@ async def health(request: web.Request) -> web.Response:
     if not async_engine.is_running:
         raise APIError(503, "the engine is not running", code="engine_stopped")
     return json_response(HealthResponse())
+
+
+async def version(request: web.Request) -> web.Response:
+    return json_response(VersionResponse(version=heron_version()))
 
 
 def _model_cards(app: web.Application) -> list[ModelCard]:

@@ -23,7 +23,7 @@ from heron.core.config import ServerConfig
 from heron.server.errors import APIError
 
 REQUEST_ID = "X-Request-Id"
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json"})
 _SAFE_ID = re.compile(r"[\w.:/+=-]{1,128}")  # an id that cannot forge log lines or headers
 
 _ID_KEY = web.RequestKey("request_id", str)

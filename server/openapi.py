@@ -18,6 +18,7 @@ _REF = "#/components/schemas/{name}"
 # (method, path, summary, request body, response body (str: plain text), streams SSE)
 ROUTES = (
     ("get", "/health", "Liveness: 200 while the engine runs", None, res.HealthResponse, False),
+    ("get", "/version", "The server's version", None, res.VersionResponse, False),
     ("get", "/v1/models", "The served model and its LoRA adapters", None, res.ModelList, False),
     ("get", "/v1/models/{model}", "One of them by id", None, res.ModelCard, False),
     ("post", "/v1/completions", "Text completion", req.CompletionRequest,
@@ -55,7 +56,7 @@ QUERIES = {("get", "/v1/responses/{response_id}"): resp_api.RetrieveQuery,
            ("get", "/v1/responses/{response_id}/input_items"): resp_api.InputItemsQuery}
 
 
-def _version() -> str:
+def heron_version() -> str:
     try:
         return importlib.metadata.version("heron")
     except importlib.metadata.PackageNotFoundError:
@@ -102,7 +103,7 @@ def openapi_document() -> bytes:
         "200": {"description": "text exposition format",
                 "content": {"text/plain": {"schema": {"type": "string"}}}}}}}
     doc = {"openapi": "3.1.0",
-           "info": {"title": "heron", "version": _version(),
+           "info": {"title": "heron", "version": heron_version(),
                     "description": "OpenAI-compatible LLM server"},
            # with server.api_keys or server.tenants set, every other route needs a key
            "security": [{"bearer": []}],

@@ -259,6 +259,10 @@ class HealthResponse(_Out, kw_only=True):
     status: Literal["ok"] = "ok"
 
 
+class VersionResponse(_Out, kw_only=True):
+    version: str
+
+
 class ErrorInfo(_Out, kw_only=True):
     message: str
     type: str

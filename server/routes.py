@@ -7,7 +7,7 @@ from aiohttp import web
 from heron.server.chat import create_chat_completion
 from heron.server.completions import create_completion
 from heron.server.embeddings import create_embedding
-from heron.server.info import health, list_models, metrics, openapi, retrieve_model
+from heron.server.info import health, list_models, metrics, openapi, retrieve_model, version
 from heron.server.lora import load_lora_adapter, unload_lora_adapter
 from heron.server.responses_api import (cancel_response, create_response, delete_response,
                                         list_input_items, retrieve_response)
@@ -17,6 +17,7 @@ from heron.server.translations import create_translation
 
 def setup_routes(app: web.Application) -> None:
     app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/v1/models", list_models)

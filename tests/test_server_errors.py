@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import threading
 import time
@@ -232,6 +233,8 @@ def test_body_over_the_limit_is_413(server):
 
 def test_api_keys(server):
     assert server.http("GET", "/health")[0] == 200
+    status, _, body = server.http("GET", "/version")  # open, as /health
+    assert status == 200 and json.loads(body)["version"] == importlib.metadata.version("heron")
     assert server.http("GET", "/metrics")[0] == 200
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEYS[0]}"}):
         status, got, body = server.http("POST", CMPL, cmpl(), headers)
