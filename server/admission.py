@@ -259,9 +259,13 @@ def check_beams(app: web.Application, params: SamplingParams) -> None:
 
 
 def beam_fields(req) -> dict:
-    """The beam-search settings a request sets (translation requests only)."""
-    return {name: value for name in ("num_beams", "length_penalty", "early_stopping")
-            if (value := getattr(req, name, None)) is not None}
+    """The beam-search settings a request sets; vLLM's ``use_beam_search`` runs ``n`` beams
+    unless ``num_beams`` says how many."""
+    fields = {name: value for name in ("num_beams", "length_penalty", "early_stopping")
+              if (value := getattr(req, name, None)) is not None}
+    if getattr(req, "use_beam_search", False):
+        fields.setdefault("num_beams", req.n)
+    return fields
 
 
 def sampling_params(app: web.Application, req: SamplingFields, *, max_tokens: int | None,

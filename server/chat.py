@@ -12,9 +12,9 @@ from __future__ import annotations
 from aiohttp import web
 from msgspec import UNSET
 
-from heron.server.admission import (chat_prompt, check_fits, check_request, constrained_by,
-                                    returns_token_ids, sampling_params, template_kwargs,
-                                    truncate_prompts)
+from heron.server.admission import (chat_prompt, check_beams, check_fits, check_request,
+                                    constrained_by, returns_token_ids, sampling_params,
+                                    template_kwargs, truncate_prompts)
 from heron.server.appkeys import ASYNC_ENGINE, CONFIG, REASONING, TOKEN_TEXTS
 from heron.server.embeddings import refuse_embedding_model
 from heron.server.errors import bad_request, decode_body
@@ -60,6 +60,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                              prompt_logprobs=req.prompt_logprobs,
                              structured=tools.structured if tools else None)
+    check_beams(app, params)
     reasoning = app[REASONING]
     thinking = plan_thinking(reasoning, prompt_ids, params)
     async with Generation(request, "chatcmpl", [prompt_ids], params, req.cache_salt,

@@ -5,8 +5,9 @@ having none). ``max_tokens: 0`` with ``echo`` scores the prompt without generati
 evaluation harnesses use the API. vLLM's ``prompt_logprobs`` puts them in each choice's
 own field, in vLLM's shape, echo or not.
 
-On a translation model ``prompt`` is the source text (a string or strings) and
-``src_lang`` / ``tgt_lang`` / ``num_beams`` apply (`heron.server.translation_jobs`).
+``num_beams`` (or vLLM's ``use_beam_search``) runs a beam search (`BeamSearchFields`). On a
+translation model ``prompt`` is the source text (a string or strings) and ``src_lang`` /
+``tgt_lang`` apply (`heron.server.translation_jobs`).
 """
 
 from __future__ import annotations

@@ -124,11 +124,22 @@ class SamplingFields(_Body, kw_only=True):
         return None
 
 
+class BeamSearchFields(SamplingFields, kw_only=True):
+    """Completions' and chat's beam search, with transformers' ``generate`` semantics: the
+    ``n`` best of ``num_beams`` hypotheses (vLLM's ``use_beam_search``: ``n`` beams, all
+    returned)."""
+
+    num_beams: NumBeams | None = None
+    length_penalty: float | None = None
+    early_stopping: EarlyStopping | None = None
+    use_beam_search: bool = False
+
+
 # vLLM's: keep each prompt's last k tokens (-1: as many as the model takes)
 TruncatePromptTokens = Annotated[int, Meta(ge=-1)] | None
 
 
-class CompletionRequest(SamplingFields, kw_only=True):
+class CompletionRequest(BeamSearchFields, kw_only=True):
     """``prompt``: a string, a list of strings, a list of token ids or a list of such lists
     (checked by the handler: msgspec unions hold one array type at most)."""
 
@@ -145,9 +156,6 @@ class CompletionRequest(SamplingFields, kw_only=True):
     # translation models only (then ``prompt`` is the source text)
     src_lang: LanguageCodes | None = None
     tgt_lang: LanguageCodes | None = None
-    num_beams: NumBeams | None = None
-    length_penalty: float | None = None
-    early_stopping: EarlyStopping | None = None
 
     def unsupported_field(self) -> str | None:
         return "suffix" if self.suffix else super().unsupported_field()
@@ -247,7 +255,7 @@ def unsupported_part(messages: list[ChatMessage]) -> str | None:
     return None
 
 
-class ChatCompletionRequest(SamplingFields, kw_only=True):
+class ChatCompletionRequest(BeamSearchFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None

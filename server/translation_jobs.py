@@ -24,7 +24,7 @@ from heron.server.appkeys import ASYNC_ENGINE, CONFIG, MODEL_NAME
 from heron.server.errors import bad_request
 from heron.server.protocol import CompletionRequest
 
-TRANSLATION_FIELDS = ("src_lang", "tgt_lang", "num_beams", "length_penalty", "early_stopping")
+TRANSLATION_FIELDS = ("src_lang", "tgt_lang")
 
 
 @dataclass

@@ -241,6 +241,49 @@ def test_prompt_logprobs_match_transformers(server, client, tokenizer):
         assert streamed.value.body["param"] == "prompt_logprobs"
 
 
+def _generate_beams(server, ids: list[int], num_beams: int, n: int, max_tokens: int,
+                    **settings) -> list[list[int]]:
+    """transformers' beam search on the served tiny model, EOS ignored."""
+    model = AutoModelForCausalLM.from_pretrained(server.config.model.path,
+                                                 dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), num_beams=num_beams, num_return_sequences=n,
+                             max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                             do_sample=False, **settings)
+    return [row[len(ids):].tolist() for row in out]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_beam_search_matches_transformers(server, client, tokenizer, stream):
+    """``num_beams`` (with ``length_penalty`` / ``early_stopping``) or vLLM's
+    ``use_beam_search`` on a decoder-only model: the ``n`` best hypotheses as choices, the
+    ones transformers' ``generate`` returns, in completions and chat."""
+    ids = tokenizer.encode(PROMPT)
+    flags = {"ignore_eos": True, "return_token_ids": True}
+    # (widths here where one beam more or less changes the answer)
+    cases = (({"num_beams": 5, "length_penalty": 0.6, "early_stopping": True}, 3,
+              {"length_penalty": 0.6, "early_stopping": True}, 5),
+             ({"use_beam_search": True}, 2, {}, 2))
+    for fields, n, settings, beams in cases:
+        want = _generate_beams(server, ids, beams, n, 8, **settings)
+        out = completion(client, n=n, max_tokens=8, stream=stream,
+                         extra_body={**flags, **fields})
+        got = {}
+        for chunk in (out if stream else [out]):
+            for c in chunk.choices:
+                got.setdefault(c.index, []).extend(c.token_ids or [])
+        assert [got[i] for i in range(n)] == want, fields
+    messages = [{"role": "user", "content": "Hello"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=True)
+    answer = client.chat.completions.create(model="tiny", messages=messages, n=2, max_tokens=6,
+                                            extra_body={**flags, "num_beams": 3})
+    assert [c.token_ids for c in answer.choices] == _generate_beams(server, prompt, 3, 2, 6)
+    with pytest.raises(openai.BadRequestError) as e:
+        completion(client, logprobs=1, extra_body={"num_beams": 2})
+    assert e.value.body["param"] == "logprobs"
+
+
 def test_completion_streaming_matches_whole(client):
     whole = completion(client, logprobs=1)
     chunks = list(completion(client, logprobs=1, stream=True,
