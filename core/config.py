@@ -25,6 +25,8 @@ _SECRET_KEYS = frozenset({"api_keys", "tenants"})  # never echoed in errors, rep
 # (server.max_n and server.max_logprobs are the limits that normally apply, below these).
 MAX_N = 128
 MAX_LOGPROBS = 1024
+# the formats `heron.server.tool_parsers` reads tool calls in (server.tool_call_parser)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
 
 #: An NLLB-200 language code (``eng_Latn``, ``zho_Hant``): ISO 639-3 language, ISO 15924 script.
 LANGUAGE_CODE = re.compile(r"[a-z]{3}_[A-Z][a-z]{3}")
@@ -193,8 +195,8 @@ class ServerConfig(_Section):
              "must be > 0"),
             ("drain_timeout_s", self.drain_timeout_s >= 0, "must be >= 0"),
             ("max_stored_responses", self.max_stored_responses >= 0, "must be >= 0"),
-            ("tool_call_parser", self.tool_call_parser in ("", "hermes"),
-             'must be "" or "hermes"'),
+            ("tool_call_parser", self.tool_call_parser in ("", *TOOL_CALL_PARSERS),
+             f'must be "" or one of {", ".join(map(repr, TOOL_CALL_PARSERS))}'),
             ("reasoning_parser", self.reasoning_parser in ("", "deepseek_r1", "qwen3"),
              'must be "", "deepseek_r1" or "qwen3"'),
         )

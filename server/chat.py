@@ -157,8 +157,8 @@ async def _stream(request: web.Request, req: ChatCompletionRequest, gen: Generat
                 if mode == "named":
                     new, finish = _named_piece(tools, call_ids, index, text, sd.finish_reason)
                 elif mode == "auto":
-                    new, finish = _auto_piece(tools, holds.setdefault(index, CallHold()), text,
-                                              sd.finish_reason)
+                    hold = holds.setdefault(index, CallHold(tools.form))
+                    new, finish = _auto_piece(tools, hold, text, sd.finish_reason)
                 elif mode == "required":
                     held[index] = held.get(index, "") + text
                     new = ChatDelta()

@@ -374,7 +374,8 @@ class _Answer:
         self.mode = tools.mode if tools is not None else "none"
         self.output = OutputBuilder()
         self.held = ""  # "required": the answer, parsed once whole
-        self.hold = CallHold()  # "auto": the content as it comes, the calls once whole
+        # "auto": the content as it comes, the calls once whole
+        self.hold = CallHold(tools.form) if self.mode == "auto" else None
         self.call_id = new_call_id()  # "named": the one call
         # named once: a background response is kept at each state under the same ids
         self.inputs = tuple(_named(item) for item in input_items(req))

@@ -6,10 +6,8 @@
   outputs), the function's ``parameters`` schema, or an array of ``{"name", "parameters"}``
   objects, one of the tools each; so the calls always parse.
 * ``"auto"`` (the default when tools are given): the model decides, and a parser reads its
-  calls out of the text (``server.tool_call_parser``; ``"hermes"``: JSON objects
-  ``{"name", "arguments"}`` between ``<tool_call>`` and ``</tool_call>``, as Qwen and Hermes
-  models write them; the text before the first call is the content). Without a parser,
-  "auto" is refused, as vLLM does.
+  calls out of the text (``server.tool_call_parser``: `heron.server.tool_parsers`). Without
+  a parser, "auto" is refused, as vLLM does.
 * ``"none"``: plain text; the tools are not shown to the chat template.
 
 Arguments come back as JSON strings, OpenAI's shape.
@@ -18,32 +16,30 @@ Arguments come back as JSON strings, OpenAI's shape.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 
 from heron.core.sampling_params import StructuredOutput
 from heron.server.errors import bad_request
-from heron.server.markers import marker_prefix
 from heron.server.responses import ToolCall, ToolCallFunction
+from heron.server.tool_parsers import FORMATS, CallFormat, read_calls
 
-__all__ = ["CallHold", "ToolPlan", "new_call_id", "plan_tools"]
-
-_CALL = "<tool_call>"
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+__all__ = ["CallHold", "ToolPlan", "new_call_id", "plan_tools", "template_tools"]
 
 
 class ToolPlan:
     """How one request's tools shape its prompt (`template_tools`), its grammar
     (`structured`) and its answer (`parse`).
 
-    ``mode``: "none", "auto", "required" or "named" (then ``function`` is the name)."""
+    ``mode``: "none", "auto", "required" or "named" (then ``function`` is the name);
+    ``form``: how "auto" answers write their calls."""
 
     def __init__(self, mode: str, tools: list[dict], function: str = "",
-                 parallel: bool = True) -> None:
+                 parallel: bool = True, form: CallFormat | None = None) -> None:
         self.mode = mode
         self.tools = tools
         self.function = function
         self.parallel = parallel  # False: "required" makes exactly one call
+        self.form = form
 
     @property
     def template_tools(self) -> list[dict] | None:
@@ -77,25 +73,26 @@ class ToolPlan:
             return text, []
         if self.mode == "named":  # streamed as it comes, cut short or not: OpenAI's way
             return None, [_call(self.function, text)]
-        try:
-            if self.mode == "required":
+        if self.mode == "required":
+            try:
                 return None, [_call(c["name"], _dumps(c["parameters"])) for c in json.loads(text)]
-            calls = [json.loads(m[1]) for m in _HERMES.finditer(text)]
-            calls = [_call(c["name"], _dumps(c.get("arguments", {}))) for c in calls]
-        except (ValueError, KeyError, TypeError, AttributeError):
+            except (ValueError, KeyError, TypeError):
+                return text, []
+        found = read_calls(self.form, text)
+        if found is None:
             return text, []
-        if not calls:
-            return text, []
-        return text[:text.index(_CALL)].rstrip() or None, calls
+        content, calls = found
+        return content, [_call(name, arguments) for name, arguments in calls]
 
 
 class CallHold:
     """An "auto" answer in a stream: its content goes out as it comes until the model
-    starts a call (``<tool_call>``); the rest is held, for `end` to parse whole. Whitespace
-    and what may be the start of the marker wait for the next piece, since `ToolPlan.parse`
+    starts a call (`CallFormat.start`); the rest is held, for `end` to parse whole.
+    Whitespace and what may yet start a call wait for the next piece, since `ToolPlan.parse`
     drops the whitespace before a call: the content sent is the content `parse` finds."""
 
-    def __init__(self) -> None:
+    def __init__(self, form: CallFormat) -> None:
+        self.form = form
         self.text = ""
         self._sent = 0  # text[:_sent] went out as content
         self._calling = False
@@ -105,12 +102,12 @@ class CallHold:
         self.text += piece
         if self._calling:
             return ""
-        at = self.text.find(_CALL, self._sent)
-        if at >= 0:
+        at = self.form.start(self.text, self._sent)
+        if at is not None:
             self._calling = True
             end = len(self.text[:at].rstrip())
         else:
-            end = len(self.text[:len(self.text) - marker_prefix(self.text, _CALL)].rstrip())
+            end = len(self.text[:len(self.text) - self.form.undecided(self.text)].rstrip())
         out = self.text[self._sent:max(end, self._sent)]
         self._sent += len(out)
         return out
@@ -172,4 +169,4 @@ def plan_tools(functions: list | None, choice: str | None, named: str | None,
     if mode != "none" and constrained_by is not None:
         raise bad_request(f"tool calls and `{constrained_by}` exclude each other (unless "
                           '`tool_choice` is "none")', param="tool_choice")
-    return ToolPlan(mode, tools, named or "", parallel is not False)
+    return ToolPlan(mode, tools, named or "", parallel is not False, FORMATS.get(parser))

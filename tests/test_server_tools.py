@@ -12,6 +12,8 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from heron.core.engine import Engine
+from heron.core.config import TOOL_CALL_PARSERS
+from heron.server.tool_parsers import FORMATS
 from heron.server.tools import CallHold, ToolPlan
 from tests.server_utils import ServerThread, server_config
 from tests.tiny_models import build_tiny
@@ -148,15 +150,50 @@ def test_auto_and_none(client, model_dir):
     assert streamed == none.choices[0].message.content
 
 
-HERMES_TEXTS = [
-    '<tool_call>\n{"name": "get_time", "arguments": {"zone": 2}}\n</tool_call>',
-    'Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Nice", '
-    '"unit": "c"}}</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": 1}}'
-    '</tool_call>',
-    "It is sunny.  \n",
-    "A <tool is no call <tool_cal",
-    ' \n<tool_call>{"name": "get_time", "arguments": {"zone": ',  # cut short
-]
+@pytest.mark.parametrize("parser", ["llama3_json", "pythonic"])
+def test_other_parsers_serve_auto(model_dir, parser):
+    """A server with another parser answers "auto" the same way, whole and streamed (this
+    random model's text holds no call)."""
+    config = server_config(model_dir, **{"server.served_model_name": "tiny",
+                                         "server.tool_call_parser": parser})
+    with ServerThread(config, Engine(config)) as server:
+        client = server.client()
+        auto = chat(client, max_tokens=12).choices[0]
+        assert auto.message.tool_calls == [] and auto.message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in chat(
+            client, max_tokens=12, stream=True) if c.choices)
+        assert streamed == auto.message.content
+
+
+# answers as each format writes them: calls, content, cut-short and slipped calls
+TEXTS = {
+    "hermes": [
+        '<tool_call>\n{"name": "get_time", "arguments": {"zone": 2}}\n</tool_call>',
+        'Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Nice", '
+        '"unit": "c"}}</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": 1}}'
+        '</tool_call>',
+        "It is sunny.  \n",
+        "A <tool is no call <tool_cal",
+        ' \n<tool_call>{"name": "get_time", "arguments": {"zone": ',  # cut short
+    ],
+    "llama3_json": [
+        '{"name": "get_time", "parameters": {"zone": 2}}',
+        ' <|python_tag|>{"name": "get_weather", "parameters": {"city": "Nice", "unit": "c"}}; '
+        '{"name": "get_time", "arguments": {"zone": 1}}',
+        "It is {sunny}.",
+        '  <|python_ta',
+        '{"name": "get_time", "parameters": {"zone": 2}} and more',  # not only calls
+        '{"name": "get_time", "parameters": {"zo',  # cut short
+    ],
+    "pythonic": [
+        '[get_time(zone=2)]',
+        ' [get_weather(city="Nice", unit="c"), get_time(zone=1)]\n',
+        "It is [sunny].",
+        "[1, 2, 3]",
+        '[get_weather("Nice")]',  # arguments must be named
+        '[get_weather(city="Ni',  # cut short
+    ],
+}
 
 
 def test_tokenize_renders_tools_as_chat_does(server, client, model_dir):
@@ -181,40 +218,70 @@ def test_tokenize_renders_tools_as_chat_does(server, client, model_dir):
         assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
 
 
-def test_auto_streams_the_content_that_the_whole_answer_has():
+def test_every_parser_is_a_config_choice():
+    assert set(FORMATS) == set(TOOL_CALL_PARSERS)
+
+
+@pytest.mark.parametrize("parser", sorted(FORMATS))
+def test_auto_streams_the_content_that_the_whole_answer_has(parser):
     """Any split of the text into pieces: the content sent is the parser's, or the whole
     text when no call parses, and the calls come at the end."""
     rng = random.Random(0)
-    plan = ToolPlan("auto", TOOLS)
-    for text in HERMES_TEXTS:
+    form = FORMATS[parser]
+    plan = ToolPlan("auto", TOOLS, form=form)
+    for text in TEXTS[parser]:
         content, calls = plan.parse(text)
         for _ in range(40):
             cuts = sorted(rng.sample(range(len(text) + 1), rng.randint(0, 8)))
-            hold, sent = CallHold(), ""
+            hold, sent = CallHold(form), ""
             for a, b in zip([0, *cuts], [*cuts, len(text)]):
                 sent += hold.feed(text[a:b])
             rest, got = hold.end(plan)
             assert sent + rest == ((content or "") if calls else text), (text, cuts)
             assert [(c.function.name, c.function.arguments) for c in got] == [
                 (c.function.name, c.function.arguments) for c in calls]
-    hold = CallHold()
+
+
+def test_content_goes_out_before_the_calls_are_known():
+    hold = CallHold(FORMATS["hermes"])
     assert hold.feed("Let me check.\n<tool") == "Let me check."
     assert hold.feed("_call>{") == "" and hold.feed("}") == ""
+    for parser, opener in (("llama3_json", "{"), ("pythonic", "[")):
+        hold = CallHold(FORMATS[parser])  # calls are the whole answer: decided at its start
+        assert hold.feed("  ") == "" and hold.feed(opener + "x") == "" and hold.feed("y") == ""
+        hold = CallHold(FORMATS[parser])
+        assert hold.feed(" <|py") == "" and hold.feed("thon is") == " <|python is"
+        assert hold.feed(" " + opener) == " " + opener
 
 
-@pytest.mark.parametrize("text, content, calls", [
-    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": 2}}\n</tool_call>', None,
-     [("get_time", {"zone": 2})]),
-    ('Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Nice", '
-     '"unit": "c"}}</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": 1}}'
-     '</tool_call>', "Let me check.",
-     [("get_weather", {"city": "Nice", "unit": "c"}), ("get_time", {"zone": 1})]),
-    ("It is sunny.", "It is sunny.", []),
-    ('<tool_call>{"name": "get_time", "arguments": {"zone": ', None, []),  # cut short
-    ('<tool_call>{"arguments": {}}</tool_call>', None, []),  # no name
+ZONE_2, NICE_1 = [("get_time", {"zone": 2})], [("get_weather", {"city": "Nice", "unit": "c"}),
+                                               ("get_time", {"zone": 1})]
+
+
+@pytest.mark.parametrize("parser, text, content, calls", [
+    ("hermes", TEXTS["hermes"][0], None, ZONE_2),
+    ("hermes", TEXTS["hermes"][1], "Let me check.", NICE_1),
+    ("hermes", "It is sunny.", "It is sunny.", []),
+    ("hermes", TEXTS["hermes"][4], None, []),
+    ("hermes", '<tool_call>{"arguments": {}}</tool_call>', None, []),  # no name
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": 5}</tool_call>', None, []),
+    ("llama3_json", TEXTS["llama3_json"][0], None, ZONE_2),
+    ("llama3_json", TEXTS["llama3_json"][1], None, NICE_1),
+    ("llama3_json", '{"name": "get_time", "parameters": {"zone": 2}};', None, []),
+    ("llama3_json", '{"name": "a"} {"name": "b"}', None, []),  # no separator
+    *[("llama3_json", t, None, []) for t in TEXTS["llama3_json"][2:]],
+    ("pythonic", TEXTS["pythonic"][0], None, ZONE_2),
+    ("pythonic", TEXTS["pythonic"][1], None, NICE_1),
+    ("pythonic", '[get_time(zone=None, when=[1, {"a": True}])]', None,
+     [("get_time", {"zone": None, "when": [1, {"a": True}]})]),
+    ("pythonic", "[]", None, []),
+    ("pythonic", "[get_time(zone=__import__('os'))]", None, []),  # literals only
+    ("pythonic", "[get_time(zone={1, 2})]", None, []),  # not JSON
+    ("pythonic", "[get_time(**opts)]", None, []),
+    *[("pythonic", t, None, []) for t in TEXTS["pythonic"][2:]],
 ])
-def test_hermes_parser(text, content, calls):
-    got_content, got = ToolPlan("auto", TOOLS).parse(text)
+def test_parsers(parser, text, content, calls):
+    got_content, got = ToolPlan("auto", TOOLS, form=FORMATS[parser]).parse(text)
     assert [(c.function.name, json.loads(c.function.arguments)) for c in got] == calls
     assert got_content == (content if calls else text)
 
