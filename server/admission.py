@@ -101,17 +101,23 @@ def encode_prompts(app: web.Application, prompt: str | list[Any], field: str = "
     return texts, ids
 
 
-def truncate_prompts(prompts: list[list[int]], keep: int | None,
-                     limit: int) -> list[list[int]]:
-    """vLLM's ``truncate_prompt_tokens``: each prompt's last ``keep`` tokens (-1: the last
-    ``limit``, what the model takes); None keeps them whole, and a prompt past the model's
-    limits is then a 400 as ever. Asked for, truncation is no surprise: never otherwise."""
+def truncate_prompts(prompts: list[list[int]], req, limit: int) -> list[list[int]]:
+    """vLLM's ``truncate_prompt_tokens`` of ``req``: each prompt's last ``keep`` tokens
+    (-1: the last ``limit``, what the model takes), its first with ``truncation_side:
+    "right"``; unset keeps them whole, and a prompt past the model's limits is then a 400
+    as ever. Asked for, truncation is no surprise: never otherwise."""
+    keep = req.truncate_prompt_tokens
     if keep is None:
+        if req.truncation_side is not None:
+            raise bad_request("`truncation_side` needs `truncate_prompt_tokens`",
+                              param="truncation_side")
         return prompts
     if keep == 0 or keep > limit:
         raise bad_request(f"`truncate_prompt_tokens` is {keep}; it must be -1 (the model's "
                           f"{limit}) or from 1 to {limit}", param="truncate_prompt_tokens")
     keep = limit if keep == -1 else keep
+    if req.truncation_side == "right":
+        return [ids[:keep] for ids in prompts]
     return [ids[-keep:] for ids in prompts]
 
 
@@ -147,32 +153,39 @@ def template_kwargs(effort: str | None, kwargs: dict[str, Any] | None) -> dict[s
 
 
 def chat_prompt(app: web.Application, messages: list[ChatMessage], *,
-                add_generation_prompt: bool = True, continue_final_message: bool = False,
-                add_special_tokens: bool = False,
-                template_kwargs: dict[str, Any] | None = None,
-                tools: list[dict] | None = None) -> list[int]:
-    """Token ids of ``messages`` rendered with the model's chat template (which writes any
-    BOS itself; ``add_special_tokens`` adds the tokenizer's too, as vLLM's /tokenize), with
-    ``tools`` as its ``tools`` variable; with ``continue_final_message``, ending inside the
-    final message, for the model to continue (`render_chat_template`)."""
+                add_special_tokens: bool = False, **render: Any) -> list[int]:
+    """Token ids of ``messages`` rendered with the model's chat template (`chat_text`),
+    which writes any BOS itself; ``add_special_tokens`` adds the tokenizer's too, as
+    vLLM's /tokenize."""
+    return tokenizer_of(app).encode(chat_text(app, messages, **render),
+                                    add_special_tokens=add_special_tokens)
+
+
+def chat_text(app: web.Application, messages: list[ChatMessage], *,
+              add_generation_prompt: bool = True, continue_final_message: bool = False,
+              template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None,
+              documents: list[dict[str, str]] | None = None) -> str:
+    """``messages`` rendered with the model's chat template, with ``tools`` and
+    ``documents`` (for RAG templates) as its variables of those names; with
+    ``continue_final_message``, ending inside the final message, for the model to continue
+    (`render_chat_template`)."""
     if continue_final_message and add_generation_prompt:
         raise bad_request("`continue_final_message` needs `add_generation_prompt: false`: "
                           "the answer either continues the final message or starts a new one",
                           param="continue_final_message")
     plain = [_template_message(i, m) for i, m in enumerate(messages)]
+    given = {name: value for name, value in (("tools", tools), ("documents", documents))
+             if value}
     # the request's own fields and what the renderer sets may not be set twice
     reserved = {*RESERVED_VARIABLES, "tokenize", "special_tokens", "template",
-                "continue_final_message", *(("tools",) if tools else ())}
+                "continue_final_message", *given}
     if clash := sorted(reserved & set(template_kwargs or ())):
         raise bad_request(f"`chat_template_kwargs` may not set {', '.join(clash)}",
                           param="chat_template_kwargs")
-    tokenizer = tokenizer_of(app)
     try:
-        text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message,
-                                             **(template_kwargs or {}),
-                                             **({"tools": tools} if tools else {}))
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return tokenizer_of(app).apply_chat_template(
+            plain, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **(template_kwargs or {}), **given)
     except ChatTemplateError as e:
         raise bad_request(f"the chat template refused the messages: {e}",
                           param="messages") from None

@@ -12,9 +12,9 @@ from __future__ import annotations
 from aiohttp import web
 from msgspec import UNSET
 
-from heron.server.admission import (chat_prompt, check_beams, check_fits, check_request,
+from heron.server.admission import (chat_text, check_beams, check_fits, check_request,
                                     constrained_by, returns_token_ids, sampling_params,
-                                    template_kwargs, truncate_prompts)
+                                    template_kwargs, tokenizer_of, truncate_prompts)
 from heron.server.appkeys import ASYNC_ENGINE, CONFIG, REASONING, TOKEN_TEXTS
 from heron.server.embeddings import refuse_embedding_model
 from heron.server.errors import bad_request, decode_body
@@ -45,14 +45,14 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     tools = plan_tools([t.function for t in req.tools or ()], choice if named is None else None,
                        named, req.parallel_tool_calls, app[CONFIG].server.tool_call_parser,
                        constrained_by(req))
-    prompt_ids = chat_prompt(app, req.messages, add_generation_prompt=req.add_generation_prompt,
-                             continue_final_message=req.continue_final_message,
-                             add_special_tokens=req.add_special_tokens,
-                             template_kwargs=template_kwargs(req.reasoning_effort,
-                                                             req.chat_template_kwargs),
-                             tools=tools.template_tools if tools else None)
-    prompt_ids, = truncate_prompts([prompt_ids], req.truncate_prompt_tokens,
-                                   app[ASYNC_ENGINE].engine.max_model_len)
+    prompt_text = chat_text(app, req.messages, add_generation_prompt=req.add_generation_prompt,
+                            continue_final_message=req.continue_final_message,
+                            template_kwargs=template_kwargs(req.reasoning_effort,
+                                                            req.chat_template_kwargs),
+                            tools=tools.template_tools if tools else None,
+                            documents=req.documents)
+    prompt_ids = tokenizer_of(app).encode(prompt_text, add_special_tokens=req.add_special_tokens)
+    prompt_ids, = truncate_prompts([prompt_ids], req, app[ASYNC_ENGINE].engine.max_model_len)
     max_tokens = req.max_completion_tokens or req.max_tokens
     check_fits(app, prompt_ids, max_tokens, "messages",
                "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
@@ -66,7 +66,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     async with Generation(request, "chatcmpl", [prompt_ids], params, req.cache_salt,
                           adapter=adapter) as gen:
         if req.stream:
-            return await _stream(request, req, gen, tools, thinking)
+            return await _stream(request, req, gen, tools, thinking, prompt_text)
         await gen.run_to_end()
         if (error := gen.failure()) is not None:
             raise error
@@ -90,6 +90,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         body = ChatCompletionResponse(id=gen.id, created=gen.created, model=gen.model,
                                       choices=choices, usage=_usage(gen, reasoning, thinking),
                                       prompt_token_ids=prompt_ids if ids else UNSET,
+                                      prompt_text=prompt_text if req.return_prompt_text
+                                      else UNSET,
                                       prompt_logprobs=UNSET if req.prompt_logprobs is None
                                       else prompt_logprobs(gen.prompt_logprobs[0],
                                                            req.prompt_logprobs, text_of))
@@ -112,7 +114,8 @@ def _finish_reason(reason: str | None, called: bool) -> str | None:
 
 
 async def _stream(request: web.Request, req: ChatCompletionRequest, gen: Generation,
-                  tools: ToolPlan | None, thinking: bool | None) -> web.StreamResponse:
+                  tools: ToolPlan | None, thinking: bool | None,
+                  prompt_text: str) -> web.StreamResponse:
     """Content streams as it comes, and so do a named call's arguments and the thinking
     (``thinking``: as `ReasoningParser.thinking` said; None: no thinking to split off);
     "auto" content streams until a call starts, and the calls come whole in the choice's
@@ -140,6 +143,7 @@ async def _stream(request: web.Request, req: ChatCompletionRequest, gen: Generat
                                                                       content=""))
                        for c in sorted(gen.choices.values(), key=lambda c: c.index)])
         first.prompt_token_ids = gen.prompts[0] if token_ids else UNSET
+        first.prompt_text = prompt_text if req.return_prompt_text else UNSET
         await events.send(first)
         async for p, delta in gen.deltas():
             choices = []

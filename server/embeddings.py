@@ -48,8 +48,7 @@ async def create_embedding(request: web.Request) -> web.Response:
     req = await decode_body(request, EmbeddingRequest)
     adapter = check_model(app, req.model)
     inputs = _inputs(app, req)
-    inputs = truncate_prompts(inputs, req.truncate_prompt_tokens,
-                              app[ASYNC_ENGINE].engine.limits.max_embedding_len)
+    inputs = truncate_prompts(inputs, req, app[ASYNC_ENGINE].engine.limits.max_embedding_len)
     _check_sizes(app, req, inputs)
     params = validated(SamplingParams(max_tokens=1, priority=req.priority),
                        priorities=app[CONFIG].engine.scheduling_policy == "priority")

@@ -137,6 +137,8 @@ class BeamSearchFields(SamplingFields, kw_only=True):
 
 # vLLM's: keep each prompt's last k tokens (-1: as many as the model takes)
 TruncatePromptTokens = Annotated[int, Meta(ge=-1)] | None
+# vLLM's: with truncate_prompt_tokens, "right" keeps the first k tokens instead (unset: "left")
+TruncationSide = Literal["left", "right"] | None
 
 
 class CompletionRequest(BeamSearchFields, kw_only=True):
@@ -145,6 +147,7 @@ class CompletionRequest(BeamSearchFields, kw_only=True):
 
     prompt: str | list[Any]
     truncate_prompt_tokens: TruncatePromptTokens = None
+    truncation_side: TruncationSide = None
     # vLLM's: false leaves out the special tokens (a BOS) the tokenizer adds to a text prompt
     add_special_tokens: bool = True
     max_tokens: NonNegInt | None = 16
@@ -260,6 +263,7 @@ class ChatCompletionRequest(BeamSearchFields, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     truncate_prompt_tokens: TruncatePromptTokens = None
+    truncation_side: TruncationSide = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     # vLLM's: each prompt token's logprob and the k most likely in its place (not streamed)
@@ -272,6 +276,10 @@ class ChatCompletionRequest(BeamSearchFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: true adds the tokenizer's special tokens (a BOS) before the rendered template
     add_special_tokens: bool = False
+    # vLLM's: the template's `documents` (RAG templates read them; others ignore them)
+    documents: list[dict[str, str]] | None = None
+    # vLLM's: the rendered prompt in the response (streamed: in the first chunk)
+    return_prompt_text: bool = False
     # to the chat template as `reasoning_effort` (gpt-oss's reads it; most ignore it)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # accepted and ignored
@@ -321,6 +329,7 @@ class EmbeddingRequest(_Body, kw_only=True):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Meta(ge=1)] | None = None
     truncate_prompt_tokens: TruncatePromptTokens = None
+    truncation_side: TruncationSide = None
     priority: Priority = 0
     user: str | None = None  # accepted and ignored
 

@@ -154,6 +154,7 @@ class ChatCompletionResponse(_Out, kw_only=True):
     usage: Usage
     prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
     prompt_logprobs: PromptLogprobs | UnsetType = UNSET
+    prompt_text: str | UnsetType = UNSET  # with return_prompt_text: the rendered template
 
 
 class ChatDelta(_Out, kw_only=True, omit_defaults=True):
@@ -180,6 +181,7 @@ class ChatCompletionChunk(_Out, kw_only=True):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids: first chunk
+    prompt_text: str | UnsetType = UNSET  # with return_prompt_text: first chunk
 
 
 # -- /v1/translations --------------------------------------------------------------------

@@ -367,6 +367,15 @@ def test_truncate_prompt_tokens_keeps_each_prompt_s_last_tokens(client, tokenize
     with pytest.raises(openai.BadRequestError) as whole:
         completion(client, prompt=ids)
     assert whole.value.body["code"] == "context_length_exceeded"
+    # vLLM's truncation_side "right" keeps the first tokens
+    first = completion(client, prompt=ids, extra_body={
+        "ignore_eos": True, "truncate_prompt_tokens": 100, "truncation_side": "right",
+        "return_token_ids": True})
+    assert first.choices[0].prompt_token_ids == ids[:100]
+    assert first.choices[0].text == completion(client, prompt=ids[:100]).choices[0].text
+    with pytest.raises(openai.BadRequestError) as alone:
+        completion(client, extra_body={"truncation_side": "right"})
+    assert alone.value.body["param"] == "truncation_side"
 
 
 def test_chat_logprobs_n_stop_seed(client):

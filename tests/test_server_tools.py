@@ -8,6 +8,7 @@ import json
 import random
 
 import jsonschema
+import openai
 import pytest
 from transformers import PreTrainedTokenizerFast
 
@@ -21,6 +22,8 @@ from tests.tiny_models import build_tiny
 TEMPLATE = (
     "{%- if tools %}<s>system: tools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
     "{% endif %}"
+    "{%- if documents %}<s>system: documents:{% for d in documents %}\n{{ d.title }}: "
+    "{{ d.text }}{% endfor %}\n{% endif %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'assistant' and m.tool_calls is defined %}<s>assistant:"
     "{% for c in m.tool_calls %}<tool_call>{{ {'name': c.function.name, "
@@ -148,6 +151,26 @@ def test_auto_and_none(client, model_dir):
     streamed = "".join(c.choices[0].delta.content or "" for c in chat(
         client, tool_choice="none", max_tokens=12, stream=True) if c.choices)
     assert streamed == none.choices[0].message.content
+
+
+def test_documents_reach_the_template_and_the_prompt_text_comes_back(client, model_dir):
+    """vLLM's ``documents`` (RAG templates) and ``return_prompt_text`` (the rendered
+    prompt, whole or in a stream's first chunk), against transformers' rendering."""
+    docs = [{"title": "Paris", "text": "Sunny, 21 C."}, {"title": "Nice", "text": "Rain."}]
+    want = PreTrainedTokenizerFast.from_pretrained(model_dir).apply_chat_template(
+        ASK, documents=docs, add_generation_prompt=True, tokenize=False)
+    assert "Sunny, 21 C." in want
+    fields = {"documents": docs, "return_prompt_text": True}
+    out = chat(client, tool_choice="none", max_tokens=2, extra_body=fields)
+    assert out.prompt_text == want
+    first = next(iter(chat(client, tool_choice="none", max_tokens=2, stream=True,
+                           extra_body=fields)))
+    assert first.prompt_text == want
+    assert chat(client, max_tokens=1).model_extra.get("prompt_text") is None
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, max_tokens=1, extra_body={"documents": docs,
+                                               "chat_template_kwargs": {"documents": []}})
+    assert e.value.body["param"] == "chat_template_kwargs"
 
 
 @pytest.mark.parametrize("parser", ["llama3_json", "pythonic"])
