@@ -14,10 +14,12 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from heron.server.anthropic_protocol import ErrorBody, ErrorDetail
 from heron.server.responses import ErrorInfo, ErrorResponse, json_response
 
 log = structlog.get_logger("heron.server")
 
+_ANTHROPIC_TYPES = {413: "request_too_large", 503: "overloaded_error"}
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
           413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
@@ -42,13 +44,24 @@ class APIError(Exception):
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
                                              param=self.param, code=self.code))
 
-    def response(self) -> web.Response:
-        return json_response(self.body(), status=self.status, headers=self.headers)
+    def anthropic_body(self) -> ErrorBody:
+        """The error in Anthropic's shape (its ``type`` names are OpenAI's where they agree)."""
+        kind = _ANTHROPIC_TYPES.get(self.status,
+                                    "api_error" if self.status >= 500 else self.type)
+        message = self.message if self.param is None else f"{self.param}: {self.message}"
+        return ErrorBody(error=ErrorDetail(type=kind, message=message))
+
+    def response(self, anthropic: bool = False) -> web.Response:
+        return json_response(self.anthropic_body() if anthropic else self.body(),
+                             status=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
+
+# the routes of Anthropic's Messages API, whose clients read errors in its shape
+ANTHROPIC_PREFIX = "/v1/messages"
 
 _AT = re.compile(r" - at `\$\.?(.*)`$")
 _UNKNOWN = re.compile(r"unknown field `([^`]*)`")
@@ -122,16 +135,17 @@ def _from_http(request: web.Request, e: web.HTTPException) -> APIError:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    anthropic = request.path.startswith(ANTHROPIC_PREFIX)
     try:
         return await handler(request)
     except APIError as e:
-        return e.response()
+        return e.response(anthropic)
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return _from_http(request, e).response()
+        return _from_http(request, e).response(anthropic)
     except ConnectionResetError:  # the client left; nobody reads this (nginx's "499")
         return web.Response(status=499)
     except Exception:
         log.exception("internal error", path=request.path)
-        return APIError(500, "internal server error").response()
+        return APIError(500, "internal server error").response(anthropic)

@@ -69,6 +69,8 @@ def auth_middleware(server: ServerConfig):
     async def check_key(request: web.Request, handler) -> web.StreamResponse:
         if keys and request.path not in OPEN_PATHS:
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            if "x-api-key" in request.headers:  # Anthropic's clients send the key so
+                scheme, given = "bearer", request.headers["x-api-key"]
             token = given.strip().encode()
             # NOTE: compare against every key, so the time taken says nothing about which
             tenant = None
@@ -77,7 +79,7 @@ def auth_middleware(server: ServerConfig):
                     tenant = name
             if scheme.lower() != "bearer" or tenant is None:
                 raise APIError(401, "missing or invalid API key (send Authorization: Bearer "
-                               "<key>)", code="invalid_api_key",
+                               "<key>, or x-api-key: <key>)", code="invalid_api_key",
                                headers={"WWW-Authenticate": "Bearer"})
             request[_TENANT] = tenant
         return await handler(request)

@@ -8,6 +8,7 @@ import re
 
 import msgspec
 
+from heron.server import anthropic_protocol as anth
 from heron.server import protocol as req
 from heron.server import response_protocol as resp_api
 from heron.server.middleware import OPEN_PATHS
@@ -36,6 +37,10 @@ ROUTES = (
      "answered, a page at a time", None, resp_api.InputItemList, False),
     ("post", "/v1/responses/{response_id}/cancel", "Stop a background response (one that "
      "ended comes back as it ended)", None, resp_api.Response, False),
+    ("post", "/v1/messages", "Anthropic's Messages API (errors in its shape; the key may "
+     "come as `x-api-key`)", anth.MessagesRequest, anth.MessageOut, True),
+    ("post", "/v1/messages/count_tokens", "The input tokens of a Messages API request",
+     anth.CountTokensRequest, anth.CountTokensResponse, False),
     ("post", "/v1/embeddings", "Embeddings (embedding models: `model.task = \"embed\"`)",
      req.EmbeddingRequest, res.EmbeddingResponse, False),
     ("post", "/v1/translations", "Translation (translation models: `src_lang` and `tgt_lang` "

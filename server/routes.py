@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from heron.server.anthropic_api import count_tokens, create_message
 from heron.server.chat import create_chat_completion
 from heron.server.completions import create_completion
 from heron.server.embeddings import create_embedding
@@ -25,6 +26,8 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_post("/v1/responses", create_response)
+    app.router.add_post("/v1/messages", create_message)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/responses/{response_id}", retrieve_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import jsonschema
 import pytest
 import torch
@@ -244,3 +245,26 @@ def test_reasoning_effort_reaches_the_template(r1, oracle):
     out = client.responses.create(model="tiny", input=ASK[0]["content"], max_output_tokens=1,
                                   reasoning={"effort": "minimal"})
     assert out.usage.input_tokens == len(minimal) and out.reasoning.effort == "minimal"
+
+
+def test_anthropic_messages_give_the_thinking_its_own_block(model_dir, oracle):
+    """/v1/messages: with a reasoning parser the thinking is a ``thinking`` block before
+    the answer's ``text`` block, whole or streamed (its deltas in order)."""
+    thought, _, answer = oracle.tokenizer.decode(
+        oracle.greedy(oracle.prompt(ASK, OPEN), 0.0), skip_special_tokens=True).partition(
+        "</think>")
+    assert thought and answer  # unbiased, this model ends its thinking early
+    with serve(model_dir, "deepseek_r1") as server:
+        client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+        args = dict(model="tiny", max_tokens=MAX_TOKENS, messages=ASK, extra_body={
+            "temperature": 0.0, "chat_template_kwargs": OPEN})
+        out = client.messages.create(**args)
+        assert [b.type for b in out.content] == ["thinking", "text"]
+        assert out.content[0].thinking == thought and out.content[1].text == answer.strip()
+        with client.messages.stream(**args) as stream:
+            deltas = [(e.index, e.delta.type) for e in stream if e.type == "content_block_delta"]
+            final = stream.get_final_message()
+        assert sorted(set(deltas)) == [(0, "thinking_delta"), (1, "text_delta")]
+        assert [(b.type, getattr(b, "thinking", None), getattr(b, "text", None))
+                for b in final.content] == [("thinking", thought, None),
+                                            ("text", None, answer.strip())]
