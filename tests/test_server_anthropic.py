@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 
 from heron.core.engine import Engine
 from tests.server_utils import ServerThread, server_config
-from tests.test_server_tools import SCHEMAS, TOOLS, model_dir  # noqa: F401 (a fixture)
+from tests.test_server_tools import SCHEMAS, TOOLS, build_tool_model
 
 KEY = "sk-anthropic-test"
 ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"],
@@ -39,7 +39,12 @@ CHAT_HISTORY = ASK + [
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):  # noqa: F811
+def model_dir(tmp_path_factory):
+    return build_tool_model(tmp_path_factory.mktemp("tiny-tools"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
     config = server_config(model_dir, **{"server.served_model_name": "tiny",
                                          "server.tool_call_parser": "hermes",
                                          "server.api_keys": [KEY]})
@@ -97,7 +102,7 @@ def test_output_config_format_holds_the_answer_to_a_schema(client):
     jsonschema.validate(json.loads(out.content[0].text), SCHEMAS["get_time"])
 
 
-def test_history_renders_as_chat_does(server, client, model_dir):  # noqa: F811
+def test_history_renders_as_chat_does(server, client, model_dir):
     """System text, earlier calls and their results reach the template as chat's messages
     would: count_tokens and the answer's usage agree with transformers' rendering."""
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)

@@ -47,14 +47,18 @@ HISTORY = ASK + [
     {"role": "tool", "tool_call_id": "call_1", "content": "21"}]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-tools")
+def build_tool_model(path):
+    """The tiny model with `TEMPLATE`, which renders tools, calls and documents."""
     build_tiny("llama", path, std=0.15, max_position_embeddings=2048)  # tools' JSON is long
     tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tool_model(tmp_path_factory.mktemp("tiny-tools"))
 
 
 @pytest.fixture(scope="module")
