@@ -22,8 +22,7 @@ import msgspec
 from aiohttp import web
 
 from heron.core.sampling_params import StructuredOutput
-from heron.server.admission import (chat_text, check_fits, check_request, sampling_params,
-                                    tokenizer_of)
+from heron.server.admission import chat_prompt, check_fits, check_request, sampling_params
 from heron.server.anthropic_protocol import (Block, ContentBlockDelta, ContentBlockStart,
                                              ContentBlockStop, CountTokensRequest,
                                              CountTokensResponse, InputJsonDelta, Message, MessageDelta,
@@ -31,8 +30,8 @@ from heron.server.anthropic_protocol import (Block, ContentBlockDelta, ContentBl
                                              MessageStart, MessageStop, OutBlock, OutText,
                                              OutThinking, OutToolUse, RedactedThinkingBlock,
                                              TextBlock, TextDelta, ThinkingBlock, ThinkingDelta,
-                                             ToolResultBlock, ToolUseBlock, Usage, _Prompt,
-                                             _Unserved)
+                                             ToolResultBlock, ToolUseBlock, Usage, PromptFields,
+                                             UnservedBlock)
 from heron.server.appkeys import CONFIG, REASONING
 from heron.server.embeddings import refuse_embedding_model
 from heron.server.errors import APIError, bad_request, decode_body
@@ -98,7 +97,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     return json_response(CountTokensResponse(input_tokens=len(_prompt_ids(app, req, tools))))
 
 
-def _functions(req: _Prompt) -> list[FunctionDefinition]:
+def _functions(req: PromptFields) -> list[FunctionDefinition]:
     return [FunctionDefinition(name=t.name, description=t.description,
                                parameters=t.input_schema) for t in req.tools or ()]
 
@@ -116,18 +115,17 @@ def _plan(app: web.Application, req: MessagesRequest,
                       app[CONFIG].server.tool_call_parser, constrained_by)
 
 
-def _prompt_ids(app: web.Application, req: _Prompt, tools: list[dict] | None) -> list[int]:
+def _prompt_ids(app: web.Application, req: PromptFields, tools: list[dict] | None) -> list[int]:
     kwargs = {}
     if req.thinking is not None:
         kwargs["enable_thinking"] = req.thinking.type != "disabled"
     if req.output_config is not None and req.output_config.effort is not None:
         kwargs["reasoning_effort"] = req.output_config.effort
-    text = chat_text(app, conversation(req), tools=tools,
-                     template_kwargs={**kwargs, **(req.chat_template_kwargs or {})})
-    return tokenizer_of(app).encode(text, add_special_tokens=False)
+    return chat_prompt(app, conversation(req), tools=tools,
+                       template_kwargs={**kwargs, **(req.chat_template_kwargs or {})})
 
 
-def conversation(req: _Prompt) -> list[ChatMessage]:
+def conversation(req: PromptFields) -> list[ChatMessage]:
     """The chat messages of ``system`` and ``messages``; 400s name the block at fault."""
     messages = []
     if req.system:
@@ -149,7 +147,7 @@ def _turn(i: int, message: Message, blocks: list[Block]) -> list[ChatMessage]:
         where = f"messages[{i}].content[{j}]"
         kind = type(block).__struct_config__.tag
         allowed = (ToolUseBlock, ThinkingBlock, RedactedThinkingBlock)
-        if isinstance(block, _Unserved) or (
+        if isinstance(block, UnservedBlock) or (
                 isinstance(block, allowed) if message.role == "user"
                 else isinstance(block, ToolResultBlock)):
             raise bad_request(f"`{where}.type` {kind!r} is not supported in a "

@@ -48,15 +48,15 @@ class RedactedThinkingBlock(_Block, kw_only=True, tag="redacted_thinking"):
     data: str
 
 
-class _Unserved(_Block, kw_only=True, forbid_unknown_fields=False):
+class UnservedBlock(_Block, kw_only=True, forbid_unknown_fields=False):
     """A block type this server reads no text from: refused by name."""
 
 
-class ImageBlock(_Unserved, kw_only=True, tag="image"):
+class ImageBlock(UnservedBlock, kw_only=True, tag="image"):
     pass
 
 
-class DocumentBlock(_Unserved, kw_only=True, tag="document"):
+class DocumentBlock(UnservedBlock, kw_only=True, tag="document"):
     pass
 
 
@@ -109,7 +109,7 @@ class OutputConfig(_In, kw_only=True):
     effort: Literal["low", "medium", "high", "max"] | None = None
 
 
-class _Prompt(_In, kw_only=True):
+class PromptFields(_In, kw_only=True):
     model: str
     messages: Annotated[list[Message], Meta(min_length=1)]
     system: str | list[TextBlock] | None = None
@@ -122,7 +122,7 @@ class _Prompt(_In, kw_only=True):
     cache_control: dict[str, Any] | None = None
 
 
-class MessagesRequest(_Prompt, kw_only=True):
+class MessagesRequest(PromptFields, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1)]
     stop_sequences: list[str] | None = None
     stream: bool = False
@@ -137,7 +137,7 @@ class MessagesRequest(_Prompt, kw_only=True):
     inference_geo: str | None = None
 
 
-class CountTokensRequest(_Prompt, kw_only=True):
+class CountTokensRequest(PromptFields, kw_only=True):
     pass
 
 
