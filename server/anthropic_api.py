@@ -9,9 +9,10 @@ as content, ``tool_use`` blocks as the assistant's calls, ``tool_result`` blocks
 as in chat (`heron.server.tools`), ``output_config.format`` holds the answer to a JSON
 schema, ``thinking`` reaches the template as ``enable_thinking`` (and
 ``output_config.effort`` as ``reasoning_effort``), and with a reasoning parser the thinking
-comes back as a ``thinking`` block. The answer is its blocks (thinking, text, then the calls), with ``stop_reason``
-``end_turn``, ``max_tokens``, ``stop_sequence`` (naming it) or ``tool_use``; a stream
-sends Anthropic's events: text and thinking as they come, each call whole in its block.
+comes back as a ``thinking`` block. The answer is its blocks (thinking, text, then the
+calls), with ``stop_reason`` ``end_turn``, ``max_tokens``, ``stop_sequence`` (naming it) or
+``tool_use``; a stream sends Anthropic's events: text and thinking as they come, each call
+whole in its block.
 """
 
 from __future__ import annotations
@@ -23,15 +24,12 @@ from aiohttp import web
 
 from heron.core.sampling_params import StructuredOutput
 from heron.server.admission import chat_prompt, check_fits, check_request, sampling_params
-from heron.server.anthropic_protocol import (Block, ContentBlockDelta, ContentBlockStart,
-                                             ContentBlockStop, CountTokensRequest,
-                                             CountTokensResponse, InputJsonDelta, Message, MessageDelta,
-                                             MessageDeltaBody, MessageOut, MessagesRequest,
-                                             MessageStart, MessageStop, OutBlock, OutText,
-                                             OutThinking, OutToolUse, RedactedThinkingBlock,
-                                             TextBlock, TextDelta, ThinkingBlock, ThinkingDelta,
-                                             ToolResultBlock, ToolUseBlock, Usage, PromptFields,
-                                             UnservedBlock)
+from heron.server.anthropic_protocol import (
+    Block, ContentBlockDelta, ContentBlockStart, ContentBlockStop, CountTokensRequest,
+    CountTokensResponse, InputJsonDelta, Message, MessageDelta, MessageDeltaBody, MessageOut,
+    MessagesRequest, MessageStart, MessageStop, OutBlock, OutText, OutThinking, OutToolUse,
+    PromptFields, RedactedThinkingBlock, TextBlock, TextDelta, ThinkingBlock, ThinkingDelta,
+    ToolResultBlock, ToolUseBlock, UnservedBlock, Usage)
 from heron.server.appkeys import CONFIG, REASONING
 from heron.server.embeddings import refuse_embedding_model
 from heron.server.errors import APIError, bad_request, decode_body
@@ -115,7 +113,8 @@ def _plan(app: web.Application, req: MessagesRequest,
                       app[CONFIG].server.tool_call_parser, constrained_by)
 
 
-def _prompt_ids(app: web.Application, req: PromptFields, tools: list[dict] | None) -> list[int]:
+def _prompt_ids(app: web.Application, req: PromptFields,
+                tools: list[dict] | None) -> list[int]:
     kwargs = {}
     if req.thinking is not None:
         kwargs["enable_thinking"] = req.thinking.type != "disabled"

@@ -388,7 +388,8 @@ def test_chat_logprobs_n_stop_seed(client):
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
     text = chat(client).choices[0].message.content
     stopped = chat(client, stop=text[3:5]).choices[0]
-    assert stopped.finish_reason == "stop" and stopped.message.content == text[:text.index(text[3:5])]
+    assert stopped.finish_reason == "stop"
+    assert stopped.message.content == text[:text.index(text[3:5])]
 
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
