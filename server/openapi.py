@@ -11,6 +11,7 @@ import msgspec
 from heron.server import anthropic_protocol as anth
 from heron.server import protocol as req
 from heron.server import response_protocol as resp_api
+from heron.server.errors import ANTHROPIC_PREFIX
 from heron.server.middleware import OPEN_PATHS
 from heron.server import responses as res
 
@@ -75,10 +76,12 @@ def _json_content(schema: dict) -> dict:
 @functools.cache
 def openapi_document() -> bytes:
     types = [t for *_, body, out, _ in ROUTES for t in (body, out) if t not in (None, str)]
-    types += [res.ChatCompletionChunk, res.ErrorResponse, *QUERIES.values()]
+    types += [res.ChatCompletionChunk, res.ErrorResponse, anth.ErrorBody, *QUERIES.values()]
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     by_type = dict(zip(types, schemas))
     error = {"description": "error", "content": _json_content(by_type[res.ErrorResponse])}
+    anthropic_error = {"description": "error (Anthropic's shape)",
+                       "content": _json_content(by_type[anth.ErrorBody])}
     paths: dict[str, dict] = {}
     for method, path, summary, body, out, streams in ROUTES:
         content = ({"text/plain": {"schema": {"type": "string"}}} if out is str
@@ -89,7 +92,8 @@ def openapi_document() -> bytes:
                 "the Responses API's named events), then `data: [DONE]`"}}
         op: dict = {"summary": summary,
                     "responses": {"200": {"description": "success", "content": content},
-                                  "default": error}}
+                                  "default": anthropic_error
+                                  if path.startswith(ANTHROPIC_PREFIX) else error}}
         if body is not None:
             op["requestBody"] = {"required": True, "content": _json_content(by_type[body])}
         parameters = [{"name": name, "in": "path", "required": True,

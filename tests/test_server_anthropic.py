@@ -165,3 +165,13 @@ def test_errors_come_in_anthropic_shape(server, client):
             model="tiny", max_tokens=4, messages=ASK)
     assert e.value.body["error"]["type"] == "authentication_error"
     assert server.async_engine.engine.num_blocks_in_use == 0
+
+
+def test_openapi_lists_the_messages_routes(server):
+    doc = json.loads(server.http("GET", "/openapi.json")[2])
+    route = doc["paths"]["/v1/messages"]["post"]
+    assert route["responses"]["default"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ErrorBody"}
+    assert {"max_tokens", "messages", "system", "tools", "stop_sequences"} <= set(
+        doc["components"]["schemas"]["MessagesRequest"]["properties"])
+    assert "/v1/messages/count_tokens" in doc["paths"]
