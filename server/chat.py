@@ -73,10 +73,13 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         text_of = token_id_text if req.return_tokens_as_token_ids else app[TOKEN_TEXTS]
         bytes_of = app[TOKEN_TEXTS].bytes_of
         ids = returns_token_ids(app, req)
+        echoed = _echoed(req)
         choices = []
         for c in sorted(gen.choices.values(), key=lambda c: c.index):
             thought, text = ReasoningSplit(thinking).feed(c.text, final=True)
             content, calls = tools.parse(text) if tools else (text, [])
+            if echoed:
+                content = echoed + (content or "")
             message = ChatMessageOut(content=content, tool_calls=calls)
             if reasoning is not None:  # as vLLM: no empty strings beside the thinking
                 message.reasoning, message.content = thought or None, content or None
@@ -105,6 +108,17 @@ def _usage(gen: Generation, parser: ReasoningParser | None, thinking: bool | Non
         usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=sum(
             parser.thinking_tokens(c.token_ids, thinking) for c in gen.choices.values()))
     return usage
+
+
+def _echoed(req: ChatCompletionRequest) -> str:
+    """vLLM's ``echo``: the final message's text, when the answer continues an assistant's
+    (``continue_final_message``, say), to start the answer with."""
+    last = req.messages[-1]
+    if not req.echo or last.role != "assistant" or not last.content:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text for part in last.content)
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:
@@ -140,7 +154,7 @@ async def _stream(request: web.Request, req: ChatCompletionRequest, gen: Generat
 
     async def produce() -> ChatCompletionChunk | None:
         first = chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant",
-                                                                      content=""))
+                                                                      content=_echoed(req)))
                        for c in sorted(gen.choices.values(), key=lambda c: c.index)])
         first.prompt_token_ids = gen.prompts[0] if token_ids else UNSET
         first.prompt_text = prompt_text if req.return_prompt_text else UNSET

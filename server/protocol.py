@@ -280,6 +280,8 @@ class ChatCompletionRequest(BeamSearchFields, kw_only=True):
     documents: list[dict[str, str]] | None = None
     # vLLM's: the rendered prompt in the response (streamed: in the first chunk)
     return_prompt_text: bool = False
+    # vLLM's: an answer to a final assistant message starts with that message's text
+    echo: bool = False
     # to the chat template as `reasoning_effort` (gpt-oss's reads it; most ignore it)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # accepted and ignored

@@ -349,6 +349,16 @@ def test_continue_final_message_continues_the_assistant_s_start(server, client, 
     with pytest.raises(openai.BadRequestError) as both:
         chat(client, messages=messages, extra_body={"continue_final_message": True})
     assert both.value.body["param"] == "continue_final_message"
+    # vLLM's echo: the answer starts with the final message's text, whole or streamed
+    echo = {"ignore_eos": True, "add_generation_prompt": False, "continue_final_message": True,
+            "echo": True}
+    echoed = chat(client, messages=messages, extra_body=echo).choices[0].message.content
+    assert echoed == "The quick" + out.choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(
+        client, messages=messages, stream=True, extra_body=echo) if c.choices)
+    assert streamed == echoed
+    plain = chat(client, extra_body={"ignore_eos": True, "echo": True})  # a user's: no echo
+    assert plain.choices[0].message.content == chat(client).choices[0].message.content
 
 
 def test_truncate_prompt_tokens_keeps_each_prompt_s_last_tokens(client, tokenizer):
