@@ -26,7 +26,7 @@ _SECRET_KEYS = frozenset({"api_keys", "tenants"})  # never echoed in errors, rep
 MAX_N = 128
 MAX_LOGPROBS = 1024
 # the formats `heron.server.tool_parsers` reads tool calls in (server.tool_call_parser)
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
 
 #: An NLLB-200 language code (``eng_Latn``, ``zho_Hant``): ISO 639-3 language, ISO 15924 script.
 LANGUAGE_CODE = re.compile(r"[a-z]{3}_[A-Z][a-z]{3}")

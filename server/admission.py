@@ -16,6 +16,7 @@ from heron.server.appkeys import ASYNC_ENGINE, CONFIG, MODEL_NAME
 from heron.server.errors import APIError, bad_request
 from heron.server.limits import check_limits
 from heron.server.protocol import ChatMessage, SamplingFields, unsupported_part
+from heron.server.tools import ToolPlan
 
 
 def check_request(app: web.Application, req: SamplingFields) -> str | None:
@@ -283,9 +284,11 @@ def beam_fields(req) -> dict:
 
 def sampling_params(app: web.Application, req: SamplingFields, *, max_tokens: int | None,
                     logprobs: int | None, prompt_logprobs: int | None = None,
-                    structured: StructuredOutput | None = None) -> SamplingParams:
-    """The engine's params for ``req``; ``structured`` (tool calls' grammar) stands in
-    for the request's own structured output, which it excludes."""
+                    structured: StructuredOutput | None = None,
+                    tools: ToolPlan | None = None) -> SamplingParams:
+    """The engine's params for ``req``; ``structured`` (a format's grammar), or the
+    ``tools``' grammar, stands in for the request's own structured output, which it
+    excludes. Calls whose markers are special tokens keep special tokens in the text."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     params = SamplingParams(
         n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
@@ -296,10 +299,12 @@ def sampling_params(app: web.Application, req: SamplingFields, *, max_tokens: in
         logit_bias=_logit_bias(req.logit_bias or {}),
         allowed_token_ids=req.allowed_token_ids,
         bad_words_token_ids=_bad_words(app, req.bad_words or []),
-        structured_outputs=structured or _structured(req),
+        structured_outputs=(tools.structured if tools else None) or structured
+        or _structured(req),
         ignore_eos=req.ignore_eos, include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        skip_special_tokens=req.skip_special_tokens, speculative=req.speculative,
+        skip_special_tokens=req.skip_special_tokens and not (tools and tools.keeps_markers),
+        speculative=req.speculative,
         priority=req.priority, **beam_fields(req))
     return validated(params, app[ASYNC_ENGINE].engine.runner.info.vocab_size,
                      priorities=app[CONFIG].engine.scheduling_policy == "priority")

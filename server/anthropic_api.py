@@ -60,11 +60,9 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     tools = _plan(app, req, "output_config.format" if fmt is not None else None)
     prompt_ids = _prompt_ids(app, req, tools.template_tools if tools else None)
     check_fits(app, prompt_ids, req.max_tokens, "messages", "max_tokens")
-    structured = (tools.structured if tools else None) or (
-        StructuredOutput(json=fmt.schema, param="output_config.format.schema")
-        if fmt is not None else None)
-    params = sampling_params(app, fields, max_tokens=req.max_tokens, logprobs=None,
-                             structured=structured)
+    params = sampling_params(app, fields, max_tokens=req.max_tokens, logprobs=None, tools=tools,
+                             structured=None if fmt is None else StructuredOutput(
+                                 json=fmt.schema, param="output_config.format.schema"))
     thinking = plan_thinking(app[REASONING], prompt_ids, params)
     async with Generation(request, "msg", [prompt_ids], params, None, adapter=adapter) as gen:
         if req.stream:

@@ -59,7 +59,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     params = sampling_params(app, req, max_tokens=max_tokens,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                              prompt_logprobs=req.prompt_logprobs,
-                             structured=tools.structured if tools else None)
+                             tools=tools)
     check_beams(app, params)
     reasoning = app[REASONING]
     thinking = plan_thinking(reasoning, prompt_ids, params)

@@ -85,10 +85,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                              template_kwargs=template_kwargs(effort, req.chat_template_kwargs),
                              tools=tools.template_tools if tools else None)
     check_fits(app, prompt_ids, req.max_output_tokens, "input", "max_output_tokens")
-    structured = (tools.structured if tools else None) or (_format_grammar(fmt) if formatted
-                                                           else None)
     params = sampling_params(app, req, max_tokens=req.max_output_tokens, logprobs=None,
-                             structured=structured)
+                             structured=_format_grammar(fmt) if formatted else None,
+                             tools=tools)
     thinking = plan_thinking(app[REASONING], prompt_ids, params)
     gen = Generation(request, "resp", [prompt_ids], params, req.cache_salt, adapter=adapter,
                      background=bool(req.background))

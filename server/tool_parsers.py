@@ -13,6 +13,10 @@ model's slip), and then it is all content.
   false).
 * ``pythonic``: the whole answer is a Python list of calls with literal keyword
   arguments, ``[get_weather(city="Paris"), get_time(zone=1)]`` (Llama 3.2 and 4, Olmo).
+* ``mistral``: after any content, ``[TOOL_CALLS]`` and a JSON array of ``{"name",
+  "arguments"}`` objects (Mistral's v3 tokenizers), or ``[TOOL_CALLS]name[ARGS]{...}`` per
+  call (v11 and later; a ``[CALL_ID]id`` may come before ``[ARGS]``). The markers are
+  special tokens: requests the parser reads keep special tokens in their text.
 
 A call's arguments must be an object (a dict); they come back as a JSON string.
 """
@@ -36,6 +40,7 @@ class CallFormat:
     subclass, the whole answer."""
 
     marker = ""
+    special_markers = False  # the markers are special tokens (the text must keep them)
 
     def start(self, text: str, begin: int = 0) -> int | None:
         """Where the calls in ``text`` start, if they have (searching from ``begin``)."""
@@ -114,8 +119,26 @@ class Pythonic(_WholeAnswer):
         return None, calls
 
 
+class Mistral(CallFormat):
+    marker = "[TOOL_CALLS]"
+    special_markers = True
+
+    def parse(self, text: str) -> tuple[str | None, Calls] | None:
+        at = text.index(self.marker)
+        calls: Calls = []
+        for part in text[at:].split(self.marker)[1:]:
+            if "[ARGS]" in part:
+                name, _, arguments = part.partition("[ARGS]")
+                calls.append((name.split("[CALL_ID]")[0].strip(), json.loads(arguments)))
+            else:
+                listed = json.loads(part)
+                calls += [(c["name"], c.get("arguments", {}))
+                          for c in (listed if isinstance(listed, list) else [listed])]
+        return text[:at].rstrip() or None, calls
+
+
 FORMATS: dict[str, CallFormat] = {"hermes": Hermes(), "llama3_json": Llama3Json(),
-                                  "pythonic": Pythonic()}
+                                  "pythonic": Pythonic(), "mistral": Mistral()}
 
 
 def read_calls(form: CallFormat, text: str) -> tuple[str | None, list[tuple[str, str]]] | None:

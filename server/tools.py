@@ -42,6 +42,11 @@ class ToolPlan:
         self.form = form
 
     @property
+    def keeps_markers(self) -> bool:
+        """Whether the text must keep special tokens: the "auto" calls' markers are some."""
+        return self.mode == "auto" and self.form.special_markers
+
+    @property
     def template_tools(self) -> list[dict] | None:
         """The ``tools`` variable of the chat template."""
         return self.tools if self.mode != "none" else None

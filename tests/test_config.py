@@ -54,8 +54,8 @@ def test_test_toml_loads():
     ("[server]\ndrain_timeout_s = inf\n", "drain_timeout_s", "must be a finite number"),
     ("[prefix_cache]\nsnapshot_memory_gb = nan\n", "snapshot_memory_gb",
      "must be a finite number"),
-    ("[server]\ntool_call_parser = \"mistral\"\n", "tool_call_parser",
-     "'hermes', 'llama3_json', 'pythonic'"),
+    ("[server]\ntool_call_parser = \"granite\"\n", "tool_call_parser",
+     "'hermes', 'llama3_json', 'pythonic', 'mistral'"),
 ])
 def test_rejections_name_file_and_key(tmp_path, text, key, reason):
     path = tmp_path / "bad.toml"

@@ -192,6 +192,27 @@ def test_other_parsers_serve_auto(model_dir, parser):
         assert streamed == auto.message.content
 
 
+def test_mistral_markers_stay_in_the_text(tmp_path):
+    """Mistral's markers are special tokens: with its parser the text keeps them (here
+    ``[TOOL_CALLS]`` forced at every step, with no call after it: content as it is)."""
+    build_tool_model(tmp_path)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    tokenizer.save_pretrained(tmp_path)
+    marker = tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+    assert marker < 320  # inside the model's vocabulary
+    for parser, content in (("mistral", "[TOOL_CALLS]" * 3), ("hermes", "")):
+        config = server_config(tmp_path, **{"server.served_model_name": "tiny",
+                                             "server.tool_call_parser": parser})
+        with ServerThread(config, Engine(config)) as server:
+            out = chat(server.client(), max_tokens=3, logit_bias={str(marker): 100},
+                       extra_body={"ignore_eos": True}).choices[0]
+            assert out.message.tool_calls == [] and (out.message.content or "") == content
+            plain = chat(server.client(), max_tokens=3, logit_bias={str(marker): 100},
+                         tool_choice="none", extra_body={"ignore_eos": True}).choices[0]
+            assert not plain.message.content  # without "auto" special tokens go as ever
+
+
 # answers as each format writes them: calls, content, cut-short and slipped calls
 TEXTS = {
     "hermes": [
@@ -219,6 +240,14 @@ TEXTS = {
         "[1, 2, 3]",
         '[get_weather("Nice")]',  # arguments must be named
         '[get_weather(city="Ni',  # cut short
+    ],
+    "mistral": [
+        '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": 2}}]',
+        'Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": "Nice", "unit": "c"}'
+        '[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{"zone": 1}',
+        "It is sunny [TOOL",
+        '[TOOL_CALLS]get_time[ARGS]{"zone": ',  # cut short
+        "[TOOL_CALLS][TOOL_CALLS]",
     ],
 }
 
@@ -306,6 +335,11 @@ ZONE_2, NICE_1 = [("get_time", {"zone": 2})], [("get_weather", {"city": "Nice", 
     ("pythonic", "[get_time(zone={1, 2})]", None, []),  # not JSON
     ("pythonic", "[get_time(**opts)]", None, []),
     *[("pythonic", t, None, []) for t in TEXTS["pythonic"][2:]],
+    ("mistral", TEXTS["mistral"][0], None, ZONE_2),
+    ("mistral", TEXTS["mistral"][1], "Let me check.", NICE_1),
+    ("mistral", ' [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Nice", '
+     '"unit": "c"}}, {"name": "get_time", "arguments": {"zone": 1}}]', None, NICE_1),
+    *[("mistral", t, None, []) for t in TEXTS["mistral"][2:]],
 ])
 def test_parsers(parser, text, content, calls):
     got_content, got = ToolPlan("auto", TOOLS, form=FORMATS[parser]).parse(text)
