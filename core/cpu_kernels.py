@@ -51,10 +51,14 @@ def compiler() -> list[str] | None:
     return next(([c] for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
 
 
-def load(source: str, defines: Mapping[str, Any] | None = None) -> ctypes.CDLL | None:
+def load(source: str, defines: Mapping[str, Any] | None = None,
+         vec_floats: int | None = None) -> ctypes.CDLL | None:
     """The library built from ``KERNEL_DIR / source`` with ``defines``; None where it
-    cannot be built. Builds at most once per process (a failure is remembered too)."""
-    key = (source, tuple(sorted((str(k), str(v)) for k, v in (defines or {}).items())))
+    cannot be built. Builds at most once per process (a failure is remembered too).
+    ``vec_floats`` (8, 16): vectors of that many floats (`vec_cpu.h`'s ``VEC_FLOATS``)
+    rather than the machine's register width."""
+    defines = {**(defines or {}), **({"VEC_FLOATS": vec_floats} if vec_floats else {})}
+    key = (source, tuple(sorted((str(k), str(v)) for k, v in defines.items())))
     with _LOCK:  # one build at a time; a second caller waits for the first's result
         if key not in _LIBRARIES:
             _LIBRARIES[key] = _build(KERNEL_DIR / source, key[1])

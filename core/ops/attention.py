@@ -181,9 +181,8 @@ def _kernels(head_dim: int, dtype: torch.dtype, vec_floats: int | None = None):
     """The compiled attention kernels for ``head_dim`` and a cache of ``dtype``, their
     argument types set; None if not built. ``vec_floats`` (8, 16) builds them for vectors of
     that many floats rather than the machine's register width."""
-    defines = {"HEAD_DIM": head_dim, **({"CACHE_BF16": 1} if dtype == torch.bfloat16 else {}),
-               **({"VEC_FLOATS": vec_floats} if vec_floats else {})}
-    lib = cpu_kernels.load("paged_attention_cpu.cpp", defines)
+    defines = {"HEAD_DIM": head_dim, **({"CACHE_BF16": 1} if dtype == torch.bfloat16 else {})}
+    lib = cpu_kernels.load("paged_attention_cpu.cpp", defines, vec_floats)
     if lib is None:
         return None
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float

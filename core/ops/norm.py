@@ -65,9 +65,8 @@ def _compiled_rms_norm(x, weight, eps, residual):
 def _norm_kernel(dtype: torch.dtype, vec_floats: int | None = None):
     """The compiled RMSNorm of ``dtype`` rows, its argument types set; None if not built.
     ``vec_floats`` (8, 16): built for vectors of that many floats, not the machine's."""
-    lib = cpu_kernels.load("norm_cpu.cpp", {
-        **({"ACT_BF16": 1} if dtype == torch.bfloat16 else {}),
-        **({"VEC_FLOATS": vec_floats} if vec_floats else {})})
+    lib = cpu_kernels.load("norm_cpu.cpp", {"ACT_BF16": 1} if dtype == torch.bfloat16 else {},
+                           vec_floats)
     if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64

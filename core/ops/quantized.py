@@ -148,8 +148,7 @@ def kernel_available(qtype: int) -> bool:
 def _kernel(qtype: int, vec_floats: int | None = None):
     """The kernel for ``qtype``; ``vec_floats`` (8, 16) picks its tile's vector width rather
     than the machine's register width."""
-    defines = {"QTYPE": qtype, **({"VEC_FLOATS": vec_floats} if vec_floats else {})}
-    lib = cpu_kernels.load("quant_linear_cpu.cpp", defines)
+    lib = cpu_kernels.load("quant_linear_cpu.cpp", {"QTYPE": qtype}, vec_floats)
     if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
