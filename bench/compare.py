@@ -6,7 +6,8 @@ exactly ``--max-tokens`` tokens) at each concurrency, then is stopped before the
 Systems (a peer that is not set up is skipped, saying why; ``bench/peers/setup_*.sh``):
 
 - heron, fp32 (``--dtype``), the Q4_1 GGUF dequantized at load; ``heron-q4_1``: its weights
-  kept quantized (``model.keep_quantized``), float32 activations;
+  kept quantized (``model.keep_quantized``), float32 activations; ``heron-q4_1-int8``: and
+  decode batches' activations rounded to int8 (``keep_quantized = "int8"``);
 - vLLM's CPU build, fp32 (``--dtype``), an HF directory of the same dequantized weights, tuned
   as its CPU docs advise (tcmalloc and Intel OpenMP preloaded, OpenMP threads bound to the
   cores);
@@ -72,15 +73,22 @@ MAX_MODEL_LEN = 2048
 PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
 
 
+# model.keep_quantized -> (the system's name, its precision)
+KEPT = {False: ("heron", None), True: ("heron-q4_1", "Q4_1"),
+        "int8": ("heron-q4_1-int8", "Q4_1 x int8")}
+
+
 def heron(model: Path, port: int, threads: int, max_seqs: int,
-          dtype: str = "float32", keep_quantized: bool = False) -> System:
+          dtype: str = "float32", keep_quantized: bool | str = False) -> System:
     from importlib.metadata import version
 
+    name, precision = KEPT[keep_quantized]
+    setting = keep_quantized if isinstance(keep_quantized, str) else str(keep_quantized).lower()
     return System(
-        "heron-q4_1" if keep_quantized else "heron", "Q4_1" if keep_quantized else PRECISION[dtype],
+        name, precision or PRECISION[dtype],
         [sys.executable, "-m", "heron.server.cli", "serve", str(model), "--port", str(port),
          "--set", f"model.dtype={dtype}", "--set", f"model.num_threads={threads}",
-         "--set", f"model.keep_quantized={str(keep_quantized).lower()}",
+         "--set", f"model.keep_quantized={setting}",
          "--set", f"engine.max_num_seqs={max_seqs}",
          "--set", f"engine.kv_cache_memory_gb={KV_CACHE_GB}", "--set", "logging.level=warning",
          "--set", "logging.log_requests=false"],
@@ -300,6 +308,8 @@ def main() -> None:
         "heron": lambda port: heron(gguf, port, args.threads, max_seqs, args.dtype),
         "heron-q4_1": lambda port: heron(gguf, port, args.threads, max_seqs,
                                          keep_quantized=True),
+        "heron-q4_1-int8": lambda port: heron(gguf, port, args.threads, max_seqs,
+                                              keep_quantized="int8"),
         "vllm": lambda port: vllm(hf_dir(gguf), port, args.threads, max_seqs, args.dtype),
         "llama.cpp-q4_1": lambda port: llama_cpp(gguf, "Q4_1", port, args.threads, max_seqs),
         "llama.cpp-f32": lambda port: llama_cpp(f32_gguf(gguf), "F32", port, args.threads,

@@ -76,8 +76,10 @@ class ModelConfig(_Section):
     # say (a Normalize module), else true
     normalize: bool | None = None
     # a GGUF file's Q4_0 / Q4_1 / Q8_0 projection weights stay quantized on the CPU in
-    # float32 (`heron.core.ops.quantized`); false: every weight is dequantized at load
-    keep_quantized: bool = False
+    # float32 (`heron.core.ops.quantized`); "int8": and batches of fewer than 64 rows are
+    # quantized to 8 bits a value to multiply them in integers (not exact); false: every
+    # weight is dequantized at load
+    keep_quantized: bool | Literal["int8"] = False
 
     def _checks(self):
         return (("max_model_len", self.max_model_len is None or self.max_model_len >= 1,

@@ -79,6 +79,40 @@ def test_the_kernel_is_a_float32_matmul(qtype, rows, out, width, vector_width):
     assert ((y.double() - expected).abs() <= bound).all()
 
 
+def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 path's rounding of ``x``, in the kernel's float32 ops: per block of 32,
+    d = max |x| / 127 and q = x * (1 / d) rounded, ties to even. Returns (q, d per value)."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return (blocks * inverse).round().reshape(x.shape), d.expand_as(blocks).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", KEPT, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows,out,width", [(1, 1, 32), (1, 576, 576), (3, 5, 64),
+                                            (4, 7, 96), (9, 130, 256), (63, 47, 192)])
+def test_int8_activations_are_their_integer_products(qtype, rows, out, width):
+    """``int8_activations``: each block of x rounded to int8 with its scale (a block of
+    zeros among them), then multiplied with gguf's values: a float64 product of those
+    rounded rows, within float32 summation error; and within the rounding's ~0.5% of the
+    exact product."""
+    w = random_weight(qtype, out, width, seed=rows + out)
+    w.int8_activations = True
+    wide = torch.randn(rows, width + 40, generator=torch.Generator().manual_seed(out))
+    x = wide[:, 20:20 + width]
+    x[0, :32] = 0.0
+    q, d = int8_rows(x)
+    assert q.abs().max() <= 127
+    values = gguf_values(w).double()
+    y = quantized_linear(x, w).double()
+    rounded = (q * d).double()
+    expected = rounded @ values.T
+    bound = 1e-5 * (rounded.abs() @ values.abs().T) + 1e-30
+    assert ((y - expected).abs() <= bound).all()
+    exact = x.double() @ values.T
+    assert (y - exact).norm() <= 0.02 * exact.norm()
+
+
 def test_linear_takes_a_quantized_weight():
     """`linear` (bias, ReLU, 3-D rows) and `pack_weight` / `unpack_weight` with one; other
     dtypes multiply its dequantized values."""
@@ -102,6 +136,10 @@ def test_a_quantized_weight_moves_and_fuses():
                                                    torch.cat([gguf_values(a), gguf_values(b)]))
     assert QuantizedWeight.cat([a, random_weight(Q.Q4_0, 4, 64)]) is None
     assert QuantizedWeight.cat([a, random_weight(Q.Q8_0, 4, 96)]) is None
+    b.int8_activations = True
+    assert QuantizedWeight.cat([a, b]) is None
+    a.int8_activations = True
+    assert QuantizedWeight.cat([a, b]).int8_activations
     assert a.to(device="cpu", dtype=torch.float32) is a
     moved = a.to(device="cpu", dtype=torch.bfloat16)
     assert isinstance(moved, torch.Tensor) and torch.equal(moved, gguf_values(a).bfloat16())
@@ -183,6 +221,14 @@ def test_an_engine_with_kept_weights(tmp_path, uniform):
     assert tokens == ref_tokens and rows.keys() == ref_rows.keys()
     for key, row in rows.items():
         torch.testing.assert_close(row, ref_rows[key], rtol=0, atol=1e-5 * row.abs().max())
+    # "int8": the same weights, small batches' rows rounded to int8: near, not equal
+    int8_weights, _, int8_rows = run("int8")
+    assert [w.int8_activations for w in int8_weights if isinstance(w, QuantizedWeight)] == [
+        True] * sum(kinds)
+    firsts = {rid: min(p for r, p in int8_rows if r == rid) for rid, _ in int8_rows}
+    errors = [((int8_rows[rid, p] - ref_rows[rid, p]).abs().max()
+               / ref_rows[rid, p].abs().max()).item() for rid, p in firsts.items()]
+    assert 0 < max(errors) <= 0.05  # each prompt's last row (later ones may follow others)
 
 
 def test_not_kept_in_bfloat16(tmp_path):

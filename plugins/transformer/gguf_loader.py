@@ -175,19 +175,20 @@ def _load_tokenizer(reader: gguf.GGUFReader, path: Path) -> Tokenizer | None:
         return None
 
 
-def _kept(tensor: Any) -> QuantizedWeight | None:
+def _kept(tensor: Any, int8_activations: bool) -> QuantizedWeight | None:
     """``tensor``'s blocks as a `QuantizedWeight`, if its type has a kernel here."""
     qtype = int(tensor.tensor_type)
     if len(tensor.shape) != 2 or not kernel_available(qtype):
         return None
     blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, order="C"))
-    return QuantizedWeight(blocks, qtype, int(tensor.shape[0]))
+    return QuantizedWeight(blocks, qtype, int(tensor.shape[0]), int8_activations)
 
 
-def load_gguf(path: str | Path, keep_quantized: bool = False
+def load_gguf(path: str | Path, keep_quantized: bool = False, int8_activations: bool = False
               ) -> tuple[dict[str, Any], dict[str, torch.Tensor | QuantizedWeight], Tokenizer | None]:
     """Read, dequantize (see ``keep_quantized`` above) and rename everything in the GGUF
-    file at ``path``."""
+    file at ``path``; kept weights multiply small batches with ``int8_activations``
+    (`QuantizedWeight`)."""
     path = Path(path)
     reader = read_gguf(path)
     config = gguf_config(reader)
@@ -203,7 +204,7 @@ def load_gguf(path: str | Path, keep_quantized: bool = False
         name = _hf_name(tensor.name)
         proj = name.split(".")[-2]
         tied_head = name == "model.embed_tokens.weight" and config["tie_word_embeddings"]
-        kept = _kept(tensor) if keep_quantized and (
+        kept = _kept(tensor, int8_activations) if keep_quantized and (
             name.endswith("_proj.weight") or name == "lm_head.weight" or tied_head) else None
         if kept is not None and tied_head:
             state_dict["lm_head.weight"] = kept

@@ -25,9 +25,10 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
     if source.suffix == ".gguf":
         from heron.plugins.transformer.gguf_loader import load_gguf
         # quantized blocks multiply float32 rows on the CPU; elsewhere they are dequantized
-        keep = (model_config.keep_quantized and device.type == "cpu"
+        keep = (model_config.keep_quantized is not False and device.type == "cpu"
                 and dtype == torch.float32)
-        hf_config, tensors, tokenizer = load_gguf(source, keep_quantized=keep)
+        hf_config, tensors, tokenizer = load_gguf(
+            source, keep_quantized=keep, int8_activations=model_config.keep_quantized == "int8")
         cfg = TransformerConfig.from_hf(hf_config)
     else:
         cfg = TransformerConfig.from_hf(json.loads((source / "config.json").read_text()))

@@ -14,6 +14,7 @@
 // x rows are x_stride floats apart, y rows y_stride; w's rows are K / 32 blocks, contiguous.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -145,7 +146,174 @@ void row(const float *x, const uint8_t *w, int64_t row_bytes, int64_t K, float *
 }
 #endif
 
+// -- int8 activations (heron_quant_linear_int8) --------------------------------------
+// Each block of 32 values of a row of x is quantized as the weights are: a = max |x|,
+// d = a / 127, q = x * (1 / d) rounded to the nearest int8 (ties to even), s = d * sum(q).
+// A block's product is then dw * d * sum(qw * q) + c * s, c the weight block's m (Q4_1),
+// -8 dw (Q4_0) or 0 (Q8_0): integer multiply-adds, 32 at a time, in place of converting
+// each weight to float32. Not exact: x is rounded to 8 bits a value.
+
+struct QuantizedRows {
+    std::vector<int8_t> q;  // [M, K]
+    std::vector<float> d, s;  // [M, K / 32]
+};
+
+inline void quantize_block_scalar(const float *x, int8_t *q, float &d, float &s)
+{
+    float a = 0.0f;
+    for (int i = 0; i < 32; ++i) a = std::max(a, std::fabs(x[i]));
+    d = a / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int sum = 0;
+    for (int i = 0; i < 32; ++i) {
+        q[i] = (int8_t)std::nearbyint(x[i] * id);
+        sum += q[i];
+    }
+    s = d * (float)sum;
+}
+
+#ifdef BLOCK_IN_REGISTERS
+inline float max8(__m256 v)
+{
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline int sum8i(__m256i v)
+{
+    __m128i m = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    m = _mm_add_epi32(m, _mm_unpackhi_epi64(m, m));
+    return _mm_cvtsi128_si32(_mm_add_epi32(m, _mm_shuffle_epi32(m, 1)));
+}
+
+inline void quantize_block(const float *x, int8_t *q, float &d, float &s)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], a = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) {
+        v[k] = _mm256_loadu_ps(x + 8 * k);
+        a = _mm256_max_ps(a, _mm256_andnot_ps(sign, v[k]));
+    }
+    d = max8(a) / 127.0f;
+    const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    __m256i i[4];
+    for (int k = 0; k < 4; ++k)  // the default rounding: to nearest, ties to even
+        i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], id));
+    s = d * (float)sum8i(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]),
+                                          _mm256_add_epi32(i[2], i[3])));
+    // packing works within 128-bit lanes: the dwords come out as rows 0 4 1 5 2 6 3 7
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]),
+                                              _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(q), _mm256_permutevar8x32_epi32(
+        packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+// A weight block's 32 quantized values in order: unsigned nibbles, or Q8_0's int8
+inline __m256i weight_bytes(const uint8_t *q)
+{
+    if (!NIBBLES)
+        return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(q));
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(q));
+    const __m128i low = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low),
+                            _mm_and_si128(raw, low));
+}
+
+// sum(w * x) over a block, as 8 int32 partial sums converted to float
+inline __m256 block_dot(__m256i w, __m256i x)
+{
+    // maddubs multiplies unsigned by signed bytes: int8 weights lend x their signs
+    const __m256i pairs = SIGNED ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w),
+                                                        _mm256_sign_epi8(x, w))
+                                 : _mm256_maddubs_epi16(w, x);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#else
+#define quantize_block quantize_block_scalar
+#endif
+
+QuantizedRows quantize_rows(const float *x, int64_t x_stride, int64_t M, int64_t K)
+{
+    QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * K / 32),
+                    std::vector<float>(M * K / 32)};
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t b = 0; b < K / 32; ++b)
+            quantize_block(x + m * x_stride + b * 32, r.q.data() + m * K + b * 32,
+                           r.d[m * K / 32 + b], r.s[m * K / 32 + b]);
+    return r;
+}
+
+// y[i][n] for rows i < mt of r from row0 on, weight rows [n0, n1)
+template <int mt>
+void rows_int8(const QuantizedRows &r, int64_t row0, const uint8_t *w, int64_t row_bytes,
+               int64_t K, float *y, int64_t y_stride, int64_t n0, int64_t n1)
+{
+    const int64_t blocks = K / 32;
+    const int8_t *q = r.q.data() + row0 * K;
+    const float *d = r.d.data() + row0 * blocks, *s = r.s.data() + row0 * blocks;
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t *wr = w + n * row_bytes;
+        float c_sum[mt] = {};
+#ifdef BLOCK_IN_REGISTERS
+        __m256 acc[mt];
+        for (int i = 0; i < mt; ++i) acc[i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; ++b) {
+            float dw, c;
+            const __m256i wq = weight_bytes(params(wr + b * BLOCK_BYTES, dw, c));
+            for (int i = 0; i < mt; ++i) {
+                const __m256i xq = _mm256_loadu_si256(
+                    reinterpret_cast<const __m256i *>(q + i * K + b * 32));
+                acc[i] = _mm256_fmadd_ps(block_dot(wq, xq),
+                                         _mm256_set1_ps(dw * d[i * blocks + b]), acc[i]);
+                c_sum[i] += c * s[i * blocks + b];
+            }
+        }
+        for (int i = 0; i < mt; ++i) y[i * y_stride + n] = sum8(acc[i]) + c_sum[i];
+#else
+        float acc[mt] = {};
+        for (int64_t b = 0; b < blocks; ++b) {
+            float dw, c;
+            const uint8_t *wq = params(wr + b * BLOCK_BYTES, dw, c);
+            for (int i = 0; i < mt; ++i) {
+                int dot = 0;
+                for (int k = 0; k < 32; ++k) {
+                    const int v = NIBBLES ? (k < 16 ? wq[k] & 0x0f : wq[k - 16] >> 4)
+                                          : (int)(int8_t)wq[k];
+                    dot += v * q[i * K + b * 32 + k];
+                }
+                acc[i] += dw * d[i * blocks + b] * (float)dot;
+                c_sum[i] += c * s[i * blocks + b];
+            }
+        }
+        for (int i = 0; i < mt; ++i) y[i * y_stride + n] = acc[i] + c_sum[i];
+#endif
+    }
+}
+
 }  // namespace
+
+// y [M, N] = x [M, K] @ dequantize(w)^T with x's blocks quantized to int8 (see above)
+extern "C" void heron_quant_linear_int8(const float *x, int64_t x_stride, const uint8_t *w,
+                                        float *y, int64_t y_stride, int64_t M, int64_t N,
+                                        int64_t K)
+{
+    const int64_t row_bytes = K / 32 * BLOCK_BYTES;
+    const QuantizedRows r = quantize_rows(x, x_stride, M, K);
+    constexpr int64_t ROWS = 16;  // weight rows a task takes
+    #pragma omp parallel for schedule(static) if (N * K >= (1 << 18))
+    for (int64_t n0 = 0; n0 < N; n0 += ROWS) {
+        const int64_t n1 = std::min(N, n0 + ROWS);
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4)
+            rows_int8<4>(r, m, w, row_bytes, K, y + m * y_stride, y_stride, n0, n1);
+        switch (M - m) {
+        case 3: rows_int8<3>(r, m, w, row_bytes, K, y + m * y_stride, y_stride, n0, n1); break;
+        case 2: rows_int8<2>(r, m, w, row_bytes, K, y + m * y_stride, y_stride, n0, n1); break;
+        case 1: rows_int8<1>(r, m, w, row_bytes, K, y + m * y_stride, y_stride, n0, n1); break;
+        }
+    }
+}
 
 extern "C" void heron_quant_linear(const float *x, int64_t x_stride, const uint8_t *w,
                                    float *y, int64_t y_stride, int64_t M, int64_t N, int64_t K)
