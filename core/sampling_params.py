@@ -156,6 +156,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                              "engine runs requests first come, first served)")
         if self.num_beams < 1:
             raise ValueError(f"num_beams is out of range: {self.num_beams!r}")
+        if not -10.0 <= self.length_penalty <= 10.0:  # length ** it must stay a float
+            raise ValueError(f"length_penalty is out of range: {self.length_penalty!r} "
+                             "(from -10 to 10)")
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping is out of range: {self.early_stopping!r} "
                              "(true, false or \"never\")")

@@ -4,7 +4,8 @@ it). The client's key may come as ``x-api-key``; errors come in Anthropic's shap
 
 ``system`` and the ``messages`` become chat messages for the model's template: text blocks
 as content, ``tool_use`` blocks as the assistant's calls, ``tool_result`` blocks as
-``tool`` messages, ``thinking`` blocks as the assistant's reasoning. ``tools`` and
+``tool`` messages, ``thinking`` blocks as the assistant's reasoning; a final assistant
+message is the answer's start, which the model continues (a prefill). ``tools`` and
 ``tool_choice`` (``auto``, ``any``: "required", ``tool``: a named function, ``none``) work
 as in chat (`heron.server.tools`), ``output_config.format`` holds the answer to a JSON
 schema, ``thinking`` reaches the template as ``enable_thinking`` (and
@@ -29,7 +30,7 @@ from heron.server.anthropic_protocol import (
     CountTokensResponse, InputJsonDelta, Message, MessageDelta, MessageDeltaBody, MessageOut,
     MessagesRequest, MessageStart, MessageStop, OutBlock, OutText, OutThinking, OutToolUse,
     PromptFields, RedactedThinkingBlock, TextBlock, TextDelta, ThinkingBlock, ThinkingDelta,
-    ToolResultBlock, ToolUseBlock, UnservedBlock, Usage)
+    ToolChoice, ToolResultBlock, ToolUseBlock, UnservedBlock, Usage)
 from heron.server.appkeys import CONFIG, REASONING
 from heron.server.embeddings import refuse_embedding_model
 from heron.server.errors import APIError, bad_request, decode_body
@@ -88,6 +89,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     req = await decode_body(request, CountTokensRequest)
     check_request(app, SamplingFields(model=req.model))
     choice = req.tool_choice
+    _check_named(choice, req.tools)
     tools = (template_tools(_functions(req))
              if req.tools and (choice is None or choice.type != "none") else None)
     return json_response(CountTokensResponse(input_tokens=len(_prompt_ids(app, req, tools))))
@@ -98,11 +100,21 @@ def _functions(req: PromptFields) -> list[FunctionDefinition]:
                                parameters=t.input_schema) for t in req.tools or ()]
 
 
+def _check_named(choice: ToolChoice | None, tools: list | None) -> None:
+    """A ``tool`` choice names one of ``tools``."""
+    if choice is None or choice.type != "tool":
+        return
+    if not choice.name:
+        raise bad_request('`tool_choice` of type "tool" needs `name`', param="tool_choice.name")
+    if choice.name not in {t.name for t in tools or ()}:
+        raise bad_request(f"`tool_choice` names the tool `{choice.name}`, which is not among "
+                          "`tools`", param="tool_choice.name")
+
+
 def _plan(app: web.Application, req: MessagesRequest,
           constrained_by: str | None) -> ToolPlan | None:
     choice = req.tool_choice
-    if choice is not None and choice.type == "tool" and not choice.name:
-        raise bad_request('`tool_choice` of type "tool" needs `name`', param="tool_choice.name")
+    _check_named(choice, req.tools)
     named = choice.name if choice is not None and choice.type == "tool" else None
     mode = None if choice is None or named else {"any": "required"}.get(choice.type,
                                                                         choice.type)
@@ -118,7 +130,10 @@ def _prompt_ids(app: web.Application, req: PromptFields,
         kwargs["enable_thinking"] = req.thinking.type != "disabled"
     if req.output_config is not None and req.output_config.effort is not None:
         kwargs["reasoning_effort"] = req.output_config.effort
+    # a final assistant message is the answer's start, which the model continues
+    prefilled = req.messages[-1].role == "assistant"
     return chat_prompt(app, conversation(req), tools=tools,
+                       add_generation_prompt=not prefilled, continue_final_message=prefilled,
                        template_kwargs={**kwargs, **(req.chat_template_kwargs or {})})
 
 
@@ -184,10 +199,10 @@ def _call_block(call: ToolCall) -> OutToolUse | OutText:
 
 
 def _stop(c: Choice, called: bool) -> tuple[str, str | None]:
+    if c.finish_reason == "length":  # a call after the complete ones may have been cut
+        return "max_tokens", None
     if called:
         return "tool_use", None
-    if c.finish_reason == "length":
-        return "max_tokens", None
     if isinstance(c.stop_reason, str):
         return "stop_sequence", c.stop_reason
     return "end_turn", None
@@ -222,7 +237,7 @@ class _Blocks:
     def __init__(self, events: _AnthropicEvents) -> None:
         self.events = events
         self.index = -1
-        self.open: str | None = None  # "text" or "thinking"
+        self.open: str | None = None  # the open block's type
         self.called = False
 
     async def piece(self, kind: str, piece: str) -> None:
@@ -230,7 +245,6 @@ class _Blocks:
             return
         if self.open != kind:
             await self._start(OutText(text="") if kind == "text" else OutThinking(thinking=""))
-            self.open = kind
         delta = TextDelta(text=piece) if kind == "text" else ThinkingDelta(thinking=piece)
         await self.events.send(ContentBlockDelta(index=self.index, delta=delta))
 
@@ -247,12 +261,13 @@ class _Blocks:
     async def _start(self, block: OutBlock) -> None:
         await self.close()
         self.index += 1
+        self.open = type(block).__struct_config__.tag
         await self.events.send(ContentBlockStart(index=self.index, content_block=block))
 
     async def close(self) -> None:
-        if self.index >= 0 and self.open != "closed":
+        if self.open is not None:
             await self.events.send(ContentBlockStop(index=self.index))
-        self.open = "closed"
+        self.open = None
 
 
 async def _stream(request: web.Request, gen: Generation, tools: ToolPlan | None,
@@ -265,11 +280,13 @@ async def _stream(request: web.Request, gen: Generation, tools: ToolPlan | None,
     c = gen.choices[(0, 0)]
 
     async def produce() -> None:
-        start = MessageOut(id=gen.id, model=gen.model, content=[], usage=Usage(
-            input_tokens=gen.num_prompt_tokens, output_tokens=0))
-        await events.send(MessageStart(message=start))
+        started = False
         held = ""  # "named" and "required": the calls, parsed once whole
         async for _, delta in gen.deltas():
+            if not started:  # once the prompt is scheduled: its cached tokens are known
+                started = True
+                start = MessageOut(id=gen.id, model=gen.model, content=[], usage=_usage(gen))
+                await events.send(MessageStart(message=start))
             for sd in delta.seqs:
                 if sd.finish_reason in ("error", "abort"):
                     return await events.fail(gen.failure())

@@ -86,14 +86,15 @@ def openapi_document() -> bytes:
     for method, path, summary, body, out, streams in ROUTES:
         content = ({"text/plain": {"schema": {"type": "string"}}} if out is str
                    else _json_content(by_type[out]))
+        anthropic = path.startswith(ANTHROPIC_PREFIX)
         if streams:
             content["text/event-stream"] = {"schema": {"type": "string", "description":
-                "`data: <chunk JSON>` events (ChatCompletionChunk / CompletionResponse; "
+                "Anthropic's named events, `message_start` to `message_stop`" if anthropic
+                else "`data: <chunk JSON>` events (ChatCompletionChunk / CompletionResponse; "
                 "the Responses API's named events), then `data: [DONE]`"}}
         op: dict = {"summary": summary,
                     "responses": {"200": {"description": "success", "content": content},
-                                  "default": anthropic_error
-                                  if path.startswith(ANTHROPIC_PREFIX) else error}}
+                                  "default": anthropic_error if anthropic else error}}
         if body is not None:
             op["requestBody"] = {"required": True, "content": _json_content(by_type[body])}
         parameters = [{"name": name, "in": "path", "required": True,

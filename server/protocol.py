@@ -25,6 +25,9 @@ NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 # NLLB language codes (``eng_Latn``): one for every input, or one per input
 LanguageCodes = str | list[str]
 NumBeams = Annotated[int, Meta(ge=1, le=64)]
+# a hypothesis scores sum(logprobs) / length ** length_penalty: bounded so that the power
+# stays a float at any length
+LengthPenalty = Annotated[float, Meta(ge=-10.0, le=10.0)]
 # most logit_bias entries in one request: each costs host work in every step of the request
 MAX_LOGIT_BIAS = 1024
 # beam search stops: as soon as num_beams hypotheses end (true), when the best running one
@@ -130,7 +133,7 @@ class BeamSearchFields(SamplingFields, kw_only=True):
     returned)."""
 
     num_beams: NumBeams | None = None
-    length_penalty: float | None = None
+    length_penalty: LengthPenalty | None = None
     early_stopping: EarlyStopping | None = None
     use_beam_search: bool = False
 
@@ -176,7 +179,7 @@ class TranslationRequest(_Body, kw_only=True):
     tgt_lang: LanguageCodes | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
     num_beams: NumBeams | None = None
-    length_penalty: float | None = None
+    length_penalty: LengthPenalty | None = None
     early_stopping: EarlyStopping | None = None
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     min_tokens: NonNegInt = 0

@@ -152,7 +152,9 @@ def read_calls(form: CallFormat, text: str) -> tuple[str | None, list[tuple[str,
         if not calls or not all(isinstance(name, str) and name and isinstance(args, dict)
                                 for name, args in calls):
             return None
-        return content, [(name, json.dumps(args, ensure_ascii=False)) for name, args in calls]
+        # NaN and Infinity (Python's literals, or JSON's extension) are not JSON
+        return content, [(name, json.dumps(args, ensure_ascii=False, allow_nan=False))
+                         for name, args in calls]
     except (ValueError, KeyError, TypeError, AttributeError, SyntaxError, RecursionError,
             MemoryError):
         return None

@@ -115,4 +115,7 @@ def test_beam_requests_are_checked(tiny):
     with pytest.raises(ValueError, match="stop is not supported with beam search"):
         engine.add_request("x", [2, fra], SamplingParams(num_beams=2, stop=["."]),
                            encoder_prompt=sources[0])
+    with pytest.raises(ValueError, match="length_penalty is out of range"):  # ** overflows
+        engine.add_request("x", [2, fra], SamplingParams(num_beams=2, length_penalty=400.0),
+                           encoder_prompt=sources[0])
     assert engine.num_requests == 0

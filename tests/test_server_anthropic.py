@@ -87,6 +87,20 @@ def test_text_matches_chat_whole_and_streamed(server, client):
     assert final.usage.output_tokens == 12
 
 
+def test_a_final_assistant_message_is_continued(server, client):
+    """Anthropic's prefill: the answer continues the final assistant message (chat's
+    ``continue_final_message``), and count_tokens counts that prompt."""
+    messages = ASK + [{"role": "assistant", "content": "It is"}]
+    chat = server.client(api_key=KEY).chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, temperature=0.0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    out = create(client, messages=messages)
+    assert out.content[0].text == chat.choices[0].message.content
+    assert out.usage.input_tokens + out.usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    counted = client.messages.count_tokens(model="tiny", messages=messages)
+    assert counted.input_tokens == chat.usage.prompt_tokens
+
+
 def test_stop_sequences_name_the_one_met(client):
     text = create(client).content[0].text
     stop = text[3:6]
@@ -128,7 +142,12 @@ def test_tool_choice_gives_tool_use_blocks(client, stream):
             return create(client, tools=ANTHROPIC_TOOLS, max_tokens=80, **kw)
         with client.messages.stream(model="tiny", messages=ASK, max_tokens=80,
                                     tools=ANTHROPIC_TOOLS, **GREEDY, **kw) as events:
-            return events.get_final_message()
+            kinds = [event.type for event in events]
+            final = events.get_final_message()
+        # every block opens and closes: a call's input is whole at its stop
+        assert kinds.count("content_block_start") == kinds.count("content_block_stop")
+        assert kinds.count("content_block_stop") == len(final.content)
+        return final
 
     named = run(tool_choice={"type": "tool", "name": "get_time"})
     (call,) = named.content
@@ -157,6 +176,12 @@ def test_errors_come_in_anthropic_shape(server, client):
     with pytest.raises(anthropic.BadRequestError) as e:
         create(client, stop_sequences=["x" * 5000])
     assert e.value.body["error"]["message"].startswith("stop_sequences[0]")
+    for choice in ({"type": "tool"}, {"type": "tool", "name": "nope"}):
+        for call in (create, client.messages.count_tokens):
+            with pytest.raises(anthropic.BadRequestError) as e:
+                call(**({"client": client} if call is create else {}), model="tiny",
+                     messages=ASK, tools=ANTHROPIC_TOOLS, tool_choice=choice)
+            assert "tool_choice.name" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError) as e:
         create(client, model="claude-sonnet-4")
     assert e.value.body["error"]["type"] == "not_found_error"

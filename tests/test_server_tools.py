@@ -334,6 +334,9 @@ ZONE_2, NICE_1 = [("get_time", {"zone": 2})], [("get_weather", {"city": "Nice", 
     ("pythonic", "[get_time(zone=__import__('os'))]", None, []),  # literals only
     ("pythonic", "[get_time(zone={1, 2})]", None, []),  # not JSON
     ("pythonic", "[get_time(**opts)]", None, []),
+    ("pythonic", "[get_time(zone=1e999)]", None, []),  # Infinity: not JSON
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": {"zone": NaN}}</tool_call>',
+     None, []),
     *[("pythonic", t, None, []) for t in TEXTS["pythonic"][2:]],
     ("mistral", TEXTS["mistral"][0], None, ZONE_2),
     ("mistral", TEXTS["mistral"][1], "Let me check.", NICE_1),
