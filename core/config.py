@@ -76,7 +76,7 @@ class ModelConfig(_Section):
     # say (a Normalize module), else true
     normalize: bool | None = None
     # a GGUF file's Q4_0 / Q4_1 / Q8_0 projection weights stay quantized on the CPU in
-    # float32 (`heron.core.ops.quantized`); "int8": and batches of fewer than 64 rows are
+    # float32 (`heron.core.ops.quantized`); "int8": and batches of up to 16 rows are
     # quantized to 8 bits a value to multiply them in integers (not exact); false: every
     # weight is dequantized at load
     keep_quantized: bool | Literal["int8"] = False

@@ -43,6 +43,7 @@ from heron.server.sse import EventStream
 from heron.server.tools import CallHold, ToolPlan, plan_tools, template_tools
 from heron.server.translation_jobs import refuse_translation_model
 
+
 async def create_message(request: web.Request) -> web.StreamResponse:
     app = request.app
     req = await decode_body(request, MessagesRequest)

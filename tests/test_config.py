@@ -54,6 +54,7 @@ def test_test_toml_loads():
     ("[server]\ndrain_timeout_s = inf\n", "drain_timeout_s", "must be a finite number"),
     ("[prefix_cache]\nsnapshot_memory_gb = nan\n", "snapshot_memory_gb",
      "must be a finite number"),
+    ("[model]\nkeep_quantized = \"int4\"\n", "keep_quantized", "Invalid enum value 'int4'"),
     ("[server]\ntool_call_parser = \"granite\"\n", "tool_call_parser",
      "'hermes', 'llama3_json', 'pythonic', 'mistral'"),
 ])

@@ -90,12 +90,12 @@ def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("qtype", KEPT, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows,out,width", [(1, 1, 32), (1, 576, 576), (3, 5, 64),
-                                            (4, 7, 96), (9, 130, 256), (63, 47, 192)])
+                                            (4, 7, 96), (9, 130, 256), (16, 47, 192)])
 def test_int8_activations_are_their_integer_products(qtype, rows, out, width):
-    """``int8_activations``: each block of x rounded to int8 with its scale (a block of
-    zeros among them), then multiplied with gguf's values: a float64 product of those
-    rounded rows, within float32 summation error; and within the rounding's ~0.5% of the
-    exact product."""
+    """``int8_activations`` up to `INT8_ROWS` rows: each block of x rounded to int8 with its
+    scale (a block of zeros among them), then multiplied with gguf's values: a float64
+    product of those rounded rows, within float32 summation error; and within the
+    rounding's ~0.5% of the exact product."""
     w = random_weight(qtype, out, width, seed=rows + out)
     w.int8_activations = True
     wide = torch.randn(rows, width + 40, generator=torch.Generator().manual_seed(out))
@@ -111,6 +111,10 @@ def test_int8_activations_are_their_integer_products(qtype, rows, out, width):
     assert ((y - expected).abs() <= bound).all()
     exact = x.double() @ values.T
     assert (y - exact).norm() <= 0.02 * exact.norm()
+    # past INT8_ROWS rows, the float32 kernel's product
+    more = torch.randn(quantized.INT8_ROWS + 1, width, generator=torch.Generator().manual_seed(1))
+    plain = QuantizedWeight(w.blocks, w.qtype, w.in_features)
+    assert torch.equal(quantized_linear(more, w), quantized_linear(more, plain))
 
 
 def test_linear_takes_a_quantized_weight():

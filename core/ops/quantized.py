@@ -7,8 +7,8 @@ the file and `quantized_linear` multiplies float32 rows with them through a comp
 exactly gguf's values, so a result differs from the float32 matmul of the dequantized weight
 only in the order of its sums.
 
-With ``int8_activations`` a batch of fewer than `DEQUANTIZED_ROWS` rows (a decode step) is
-quantized as the weights are, each block of 32 values to int8 with a float32 scale, and the
+With ``int8_activations`` a batch of at most `INT8_ROWS` rows (a decode step) is quantized
+as the weights are, each block of 32 values to int8 with a float32 scale, and the
 kernel multiplies the blocks in integers (``heron_quant_linear_int8``): several times
 faster, but x is rounded to 8 bits a value (about 0.5% relative error a product).
 
@@ -34,6 +34,10 @@ from heron.core import cpu_kernels
 #: rows of SmolLM2's projections the tiles took 1.2-1.4x its time, at 1024 1.4x (the
 #: dequantization costs about 2% of it there).
 DEQUANTIZED_ROWS = 64
+#: Up to this many rows, a weight with ``int8_activations`` multiplies in integers: SmolLM2's
+#: 1536 x 576 Q4_1 projection took 54 us against the float32 kernel's 84 at 1 row, 105
+#: against 177 at 4, 382 against 437 at 16, and about as long from 32 rows on (2 AVX2 cores).
+INT8_ROWS = 16
 
 # ggml type number -> (name, bytes per block of 32 values)
 QUANT_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
@@ -127,7 +131,8 @@ def quantized_linear(x: torch.Tensor, w: QuantizedWeight,
         return y.view(*x.shape[:-1], w.shape[0])
     y = torch.empty(rows.shape[0], w.shape[0], dtype=torch.float32)
     if rows.shape[0]:
-        kernel = lib.heron_quant_linear_int8 if w.int8_activations else lib.heron_quant_linear
+        kernel = (lib.heron_quant_linear_int8
+                  if w.int8_activations and rows.shape[0] <= INT8_ROWS else lib.heron_quant_linear)
         kernel(rows.data_ptr(), rows.stride(0), w.blocks.data_ptr(), y.data_ptr(), y.stride(0),
                rows.shape[0], w.shape[0], w.in_features)
     if bias is not None:
