@@ -52,6 +52,8 @@ class CallFormat:
         return marker_prefix(text, self.marker)
 
     def parse(self, text: str) -> tuple[str | None, Calls] | None:
+        """A whole answer's content and calls; None, or any error `read_calls` catches,
+        when it holds none that parse."""
         raise NotImplementedError
 
 
