@@ -48,7 +48,9 @@ class APIError(Exception):
         """The error in Anthropic's shape (its ``type`` names are OpenAI's where they agree)."""
         kind = _ANTHROPIC_TYPES.get(self.status,
                                     "api_error" if self.status >= 500 else self.type)
-        message = self.message if self.param is None else f"{self.param}: {self.message}"
+        # Anthropic's messages start with the field; ours mostly name it already
+        named = self.param is None or f"`{self.param}`" in self.message
+        message = self.message if named else f"{self.param}: {self.message}"
         return ErrorBody(error=ErrorDetail(type=kind, message=message))
 
     def response(self, anthropic: bool = False) -> web.Response:

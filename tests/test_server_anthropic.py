@@ -175,7 +175,7 @@ def test_errors_come_in_anthropic_shape(server, client):
     assert "messages[0].content[0].type" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as e:
         create(client, stop_sequences=["x" * 5000])
-    assert e.value.body["error"]["message"].startswith("stop_sequences[0]")
+    assert e.value.body["error"]["message"].startswith("`stop_sequences[0]` is 5000")
     for choice in ({"type": "tool"}, {"type": "tool", "name": "nope"}):
         for call in (create, client.messages.count_tokens):
             with pytest.raises(anthropic.BadRequestError) as e:

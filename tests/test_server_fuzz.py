@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from heron.core.engine import Engine
+from heron.server.errors import ANTHROPIC_PREFIX
 from tests.server_utils import ServerThread, server_config
 from tests.tiny_models import build_tiny
 
@@ -295,7 +296,14 @@ CONTENT_TYPES = st.sampled_from(["application/json", "application/json", "text/p
 
 # -- checks ---------------------------------------------------------------------------------
 
-def assert_error_shape(payload) -> None:
+def assert_error_shape(payload, anthropic: bool = False) -> None:
+    """OpenAI's shape; Anthropic's (``{"type": "error", "error": {"type", "message"}}``) on
+    the Messages API's routes."""
+    if anthropic:
+        assert isinstance(payload, dict) and set(payload) == {"type", "error"}, payload
+        assert payload["type"] == "error" and set(payload["error"]) == {"type", "message"}
+        assert all(isinstance(v, str) and v for v in payload["error"].values()), payload
+        return
     assert isinstance(payload, dict) and set(payload) == {"error"}, payload
     error = payload["error"]
     assert set(error) == {"message", "type", "param", "code"}, error
@@ -305,33 +313,38 @@ def assert_error_shape(payload) -> None:
     assert error["code"] is None or isinstance(error["code"], str), error
 
 
-def assert_stream(body: bytes) -> None:
+def assert_stream(body: bytes, anthropic: bool = False) -> None:
+    """Events then ``[DONE]``; Anthropic's named events, without it."""
     events = [e for e in body.decode().split("\n\n") if e.strip()]
-    assert events and events[-1] == "data: [DONE]", body[-300:]
-    for event in events[:-1]:
+    assert events and (anthropic or events.pop() == "data: [DONE]"), body[-300:]
+    for event in events:
         lines = event.splitlines()
         name = lines.pop(0).removeprefix("event: ") if lines[0].startswith("event: ") else None
         [line] = lines
         assert line.startswith("data: ") and line != "data: [DONE]", event
         payload = json.loads(line.removeprefix("data: "))
         if "error" in payload:
-            assert_error_shape(payload)
-        elif name is not None:  # a Responses API event: named by its type
+            assert_error_shape(payload, anthropic)
+        if name is not None:  # a Responses API or Anthropic event: named by its type
             assert payload["type"] == name, event
+        else:
+            assert not anthropic, event
 
 
-def check(answer: tuple[int, dict, bytes]) -> int:
-    """No 5xx; errors in OpenAI's shape; a 200 is JSON or a well-formed event stream."""
+def check(answer: tuple[int, dict, bytes], path: str) -> int:
+    """No 5xx; errors in OpenAI's shape (Anthropic's on its routes); a 200 is JSON or a
+    well-formed event stream."""
     status, headers, body = answer
+    anthropic = path.startswith(ANTHROPIC_PREFIX)
     assert status < 500, (status, body[:1000])
     content_type = headers.get("Content-Type", "")
     if status >= 400:
         assert content_type.startswith("application/json"), (status, content_type, body[:300])
-        assert_error_shape(json.loads(body))
+        assert_error_shape(json.loads(body), anthropic)
     else:
         assert status == 200, (status, body[:300])
         if content_type.startswith("text/event-stream"):
-            assert_stream(body)
+            assert_stream(body, anthropic)
         else:
             assert content_type.startswith("application/json"), content_type
             json.loads(body)
@@ -382,7 +395,7 @@ def routes(server) -> dict[str, Route]:
 def test_schema_bodies(server, routes, data):
     path = data.draw(st.sampled_from(sorted(routes)), label="path")
     body = data.draw(routes[path].valid, label="body")
-    check(server.http("POST", path, encode(body)))
+    check(server.http("POST", path, encode(body)), path)
 
 
 @settings(FUZZ, max_examples=130)
@@ -391,7 +404,7 @@ def test_mutated_bodies(server, routes, data):
     path = data.draw(st.sampled_from(sorted(routes)), label="path")
     body = data.draw(mutated(routes[path]), label="body")
     content_type = data.draw(CONTENT_TYPES, label="content_type")
-    check(server.http("POST", path, encode(body), {"Content-Type": content_type}))
+    check(server.http("POST", path, encode(body), {"Content-Type": content_type}), path)
 
 
 @settings(FUZZ, max_examples=60)
@@ -400,7 +413,7 @@ def test_raw_bodies(server, routes, data):
     path, body = data.draw(raw_bodies(routes), label="raw")
     body, headers = data.draw(encoded(body), label="encoded")
     headers["Content-Type"] = data.draw(CONTENT_TYPES, label="content_type")
-    check(server.http("POST", path, body, headers))
+    check(server.http("POST", path, body, headers), path)
 
 
 PATH_CHARS = string.ascii_letters + string.digits + "-._~/%"
@@ -417,7 +430,7 @@ def test_methods_and_paths(server, routes, data):
             ("GET", "/health"), ("GET", "/v1/models")):
         return  # served routes with good methods: the other tests cover them
     body = data.draw(st.none() | st.just(b"{}") | st.binary(max_size=16))
-    status = check(server.http(method, path, body))
+    status = check(server.http(method, path, body), path)
     assert status in (404, 405), status
 
 
