@@ -51,8 +51,11 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                                                             req.chat_template_kwargs),
                             tools=tools.template_tools if tools else None,
                             documents=req.documents)
-    prompt_ids = tokenizer_of(app).encode(prompt_text, add_special_tokens=req.add_special_tokens)
-    prompt_ids, = truncate_prompts([prompt_ids], req, app[ASYNC_ENGINE].engine.max_model_len)
+    tokenizer = tokenizer_of(app)
+    whole = tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens)
+    prompt_ids, = truncate_prompts([whole], req, app[ASYNC_ENGINE].engine.max_model_len)
+    if len(prompt_ids) < len(whole):  # the text of what the model reads, as echo's
+        prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=False)
     max_tokens = req.max_completion_tokens or req.max_tokens
     check_fits(app, prompt_ids, max_tokens, "messages",
                "max_completion_tokens" if req.max_completion_tokens else "max_tokens")

@@ -372,8 +372,10 @@ def test_truncate_prompt_tokens_keeps_each_prompt_s_last_tokens(client, tokenize
     kept = tokenizer.encode(PROMPT * 3)[-4:]
     assert echoed.usage.prompt_tokens == 4
     assert echoed.choices[0].text.startswith(tokenizer.decode(kept, skip_special_tokens=False))
-    out = chat(client, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 5})
-    assert out.usage.prompt_tokens == 5
+    out = chat(client, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 5,
+                                   "return_prompt_text": True, "return_token_ids": True})
+    assert out.usage.prompt_tokens == 5 == len(out.prompt_token_ids)
+    assert out.prompt_text == tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
     with pytest.raises(openai.BadRequestError) as whole:
         completion(client, prompt=ids)
     assert whole.value.body["code"] == "context_length_exceeded"
