@@ -31,6 +31,7 @@ namespace {
 // and NT weight vectors, which fit AVX-512's 32 registers and AVX2's 16.
 constexpr int64_t NT = VECTOR_REGISTERS == 32 ? 4 : 3, MT = 4;
 constexpr int64_t MB = 64;  // x rows a task takes
+constexpr int64_t ROWS = 16;  // weight rows a task of the few-row paths takes
 
 inline float half_to_float(const uint8_t *p)
 {
@@ -55,8 +56,15 @@ inline const uint8_t *params(const uint8_t *b, float &d, float &m)
     return b + (QTYPE == 3 ? 4 : 2);
 }
 
-// A block's 32 values from its bytes q (8-bit ints; nibbles: 16 bytes whose low then high
-// halves are the values) as float32 d * q + m. d * q is exact in float32 (11 by 8
+// value i of a block's quantized bytes q (8-bit ints; nibbles: 16 bytes whose low then high
+// halves are the values)
+inline int quantized_value(const uint8_t *q, int i)
+{
+    return NIBBLES ? (i < 16 ? q[i] & 0x0f : q[i - 16] >> 4)
+                   : (SIGNED ? (int)(int8_t)q[i] : (int)q[i]);
+}
+
+// A block's 32 values from its bytes q as float32 d * q + m. d * q is exact in float32 (11 by 8
 // significant bits at most), so fused or not, d * q + m rounds once, as gguf's numpy does.
 #if defined(__AVX2__) && defined(__FMA__)
 #define BLOCK_IN_REGISTERS 1
@@ -95,11 +103,8 @@ inline void dequantize(const uint8_t *b, float *w)
 {
     float d, m;
     const uint8_t *q = params(b, d, m);
-    for (int i = 0; i < 32; ++i) {
-        const int v = NIBBLES ? (i < 16 ? q[i] & 0x0f : q[i - 16] >> 4)
-                              : (SIGNED ? (int)(int8_t)q[i] : (int)q[i]);
-        w[i] = (float)v * d + m;
-    }
+    for (int i = 0; i < 32; ++i)
+        w[i] = (float)quantized_value(q, i) * d + m;
 }
 #endif
 
@@ -157,20 +162,6 @@ struct QuantizedRows {
     std::vector<int8_t> q;  // [M, K]
     std::vector<float> d, s;  // [M, K / 32]
 };
-
-inline void quantize_block_scalar(const float *x, int8_t *q, float &d, float &s)
-{
-    float a = 0.0f;
-    for (int i = 0; i < 32; ++i) a = std::max(a, std::fabs(x[i]));
-    d = a / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    int sum = 0;
-    for (int i = 0; i < 32; ++i) {
-        q[i] = (int8_t)std::nearbyint(x[i] * id);
-        sum += q[i];
-    }
-    s = d * (float)sum;
-}
 
 #ifdef BLOCK_IN_REGISTERS
 inline float max8(__m256 v)
@@ -230,7 +221,19 @@ inline __m256 block_dot(__m256i w, __m256i x)
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 #else
-#define quantize_block quantize_block_scalar
+inline void quantize_block(const float *x, int8_t *q, float &d, float &s)
+{
+    float a = 0.0f;
+    for (int i = 0; i < 32; ++i) a = std::max(a, std::fabs(x[i]));
+    d = a / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int sum = 0;
+    for (int i = 0; i < 32; ++i) {
+        q[i] = (int8_t)std::nearbyint(x[i] * id);  // the default rounding, as above
+        sum += q[i];
+    }
+    s = d * (float)sum;
+}
 #endif
 
 QuantizedRows quantize_rows(const float *x, int64_t x_stride, int64_t M, int64_t K)
@@ -277,11 +280,8 @@ void rows_int8(const QuantizedRows &r, int64_t row0, const uint8_t *w, int64_t r
             const uint8_t *wq = params(wr + b * BLOCK_BYTES, dw, c);
             for (int i = 0; i < mt; ++i) {
                 int dot = 0;
-                for (int k = 0; k < 32; ++k) {
-                    const int v = NIBBLES ? (k < 16 ? wq[k] & 0x0f : wq[k - 16] >> 4)
-                                          : (int)(int8_t)wq[k];
-                    dot += v * q[i * K + b * 32 + k];
-                }
+                for (int k = 0; k < 32; ++k)
+                    dot += quantized_value(wq, k) * q[i * K + b * 32 + k];
                 acc[i] += dw * d[i * blocks + b] * (float)dot;
                 c_sum[i] += c * s[i * blocks + b];
             }
@@ -300,7 +300,6 @@ extern "C" void heron_quant_linear_int8(const float *x, int64_t x_stride, const 
 {
     const int64_t row_bytes = K / 32 * BLOCK_BYTES;
     const QuantizedRows r = quantize_rows(x, x_stride, M, K);
-    constexpr int64_t ROWS = 16;  // weight rows a task takes
     #pragma omp parallel for schedule(static) if (N * K >= (1 << 18))
     for (int64_t n0 = 0; n0 < N; n0 += ROWS) {
         const int64_t n1 = std::min(N, n0 + ROWS);
@@ -321,7 +320,6 @@ extern "C" void heron_quant_linear(const float *x, int64_t x_stride, const uint8
     const int64_t row_bytes = K / 32 * BLOCK_BYTES;
 #ifdef BLOCK_IN_REGISTERS
     if (M == 1) {
-        constexpr int64_t ROWS = 16;  // weight rows a task takes
         #pragma omp parallel for schedule(static) if (N * K >= (1 << 18))
         for (int64_t n0 = 0; n0 < N; n0 += ROWS)
             row(x, w, row_bytes, K, y, n0, n0 + ROWS < N ? n0 + ROWS : N);
