@@ -219,16 +219,14 @@ def _usage(gen: Generation) -> Usage:
 class _AnthropicEvents(EventStream):
     """Named events, errors in Anthropic's shape, and no ``[DONE]``."""
 
+    done = None
+
     async def send(self, body: msgspec.Struct, event: str | None = None) -> None:
         await super().send(body, event or type(body).__struct_config__.tag)
 
     async def fail(self, error: APIError) -> None:
         await self.send(error.anthropic_body())
         await self.finish()
-
-    async def finish(self) -> None:
-        self.is_finished = True
-        await self.response.write_eof()
 
 
 class _Blocks:

@@ -156,8 +156,9 @@ async def _stream(request: web.Request, req: ChatCompletionRequest, gen: Generat
     splits: dict[int, ReasoningSplit] = {}  # choice index -> its thinking and its answer
 
     async def produce() -> ChatCompletionChunk | None:
+        echoed = _echoed(req)
         first = chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant",
-                                                                      content=_echoed(req)))
+                                                                      content=echoed))
                        for c in sorted(gen.choices.values(), key=lambda c: c.index)])
         first.prompt_token_ids = gen.prompts[0] if token_ids else UNSET
         first.prompt_text = prompt_text if req.return_prompt_text else UNSET

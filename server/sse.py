@@ -21,6 +21,8 @@ log = structlog.get_logger("heron.server")
 
 
 class EventStream:
+    done: bytes | None = _DONE  # the stream's last line (None: none)
+
     def __init__(self, request: web.Request) -> None:
         self.request = request
         self.response = web.StreamResponse(headers={
@@ -49,7 +51,8 @@ class EventStream:
 
     async def finish(self) -> None:
         self.is_finished = True
-        await self.response.write(_DONE)
+        if self.done is not None:
+            await self.response.write(self.done)
         await self.response.write_eof()
 
     async def run(self, produce: Callable[[], Awaitable[msgspec.Struct | None]]

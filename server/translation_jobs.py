@@ -64,8 +64,8 @@ def refuse_translation_model(app: web.Application, route: str) -> None:
 def completion_jobs(app: web.Application, req: CompletionRequest,
                     max_tokens: int | None) -> tuple[list[str], TranslationJobs]:
     """A /v1/completions request to a translation model: its source texts and jobs."""
-    for name in ("echo", "prompt_logprobs"):
-        if getattr(req, name):
+    for name, asked in (("echo", req.echo), ("prompt_logprobs", req.prompt_logprobs is not None)):
+        if asked:
             raise bad_request(f"`{name}` is not supported by translation models", param=name)
     texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
     if not all(isinstance(t, str) for t in texts):
