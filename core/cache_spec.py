@@ -66,7 +66,13 @@ class CacheTensors:
     # target -> (A [layers, slots, max_rank, in], B transposed [layers, slots, max_rank, out])
     lora: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     lora_scaling: torch.Tensor | None = None  # [slots]
+    _kv_views: tuple[torch.Tensor, list] | None = field(default=None, repr=False,
+                                                        compare=False)
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.kv is not None
-        return self.kv[layer, 0], self.kv[layer, 1]
+        # the views are made once per cache: a step asks for every layer's, and indexing
+        # costs microseconds a call on the CPU
+        if self._kv_views is None or self._kv_views[0] is not self.kv:
+            self._kv_views = (self.kv, [(kv[0], kv[1]) for kv in self.kv])
+        return self._kv_views[1][layer]

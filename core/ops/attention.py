@@ -59,6 +59,12 @@ BLOCK_DIAGONAL_MAX_KV_HEADS = 4
 BLOCK_DIAGONAL_MIN_KEYS = 16384  # sequences x padded context length
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, without the torch call where ``t`` has that dtype already (a decode
+    step's attention runs once a layer, and on the CPU each torch call costs microseconds)."""
+    return t if t.dtype is dtype else t.to(dtype)
+
+
 def _gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """The cache rows at flat ``slots [B, L]``: ``[B, L, H, D]``."""
     rows = cache.reshape(-1, cache.shape[-2] * cache.shape[-1]).index_select(0, slots.reshape(-1))
@@ -120,7 +126,7 @@ PART_KEYS_MIN, PART_KEYS_MAX = 256, 2048
 def _kernel_inputs_fit(q, k_cache, v_cache, meta: AttentionMetadata) -> bool:
     """Whether the compiled CPU kernels take these tensors as they are."""
     tables = meta.block_tables
-    return (q.device.type == "cpu" and compiled_attention_applies(k_cache.dtype, q.shape[-1])
+    return (q.is_cpu and compiled_attention_applies(k_cache.dtype, q.shape[-1])
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and tables.dtype == torch.int32 and tables.stride(-1) == 1)
 
@@ -130,8 +136,8 @@ def _compiled_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float)
     if not _kernel_inputs_fit(q, k_cache, v_cache, meta):
         return None
     num_seqs, heads, head_dim = q.shape
-    tables, lens = meta.block_tables, meta.seq_lens.to(torch.int32).contiguous()
-    query = q.float().contiguous()
+    tables, lens = meta.block_tables, _as(meta.seq_lens, torch.int32).contiguous()
+    query = _as(q, torch.float32).contiguous()
     out = torch.empty_like(query)
     kv_heads = k_cache.shape[-2]
     tasks = 4 * torch.get_num_threads()
@@ -140,7 +146,7 @@ def _compiled_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float)
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         tables.stride(0), lens.data_ptr(), num_seqs, kv_heads, heads // kv_heads,
         meta.block_size, scale, part_keys, out.data_ptr())
-    return None if failed else out.to(q.dtype)
+    return None if failed else _as(out, q.dtype)
 
 
 def _compiled_prefill(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
@@ -260,7 +266,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     ``0 .. seq_len - query_len + j``. Returns ``[T, Hq, D]`` in q's dtype.
     """
     if meta.is_decode_only:
-        return _decode(q.to(k_cache.dtype), k_cache, v_cache, meta, scale).to(q.dtype)
+        return _as(_decode(_as(q, k_cache.dtype), k_cache, v_cache, meta, scale), q.dtype)
     if meta.cpu_kernels:
         out = _compiled_prefill(q, k_cache, v_cache, meta, scale)
         if out is not None:
@@ -321,7 +327,8 @@ def _compiled_rotary_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cach
             and k_cache.shape == v_cache.shape and k_cache.shape[-2:] == k.shape[1:]
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and cos_sin_cache.is_contiguous()
-            and all(t.stride()[1:] == (head_dim, 1) for t in (q, k, v))
+            and q.stride(1) == k.stride(1) == v.stride(1) == head_dim
+            and q.stride(2) == k.stride(2) == v.stride(2) == 1
             and positions.dtype == slot_mapping.dtype == torch.int64
             and positions.is_contiguous() and slot_mapping.is_contiguous()):
         return None
@@ -363,7 +370,7 @@ def rotary_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_ma
         from heron.core.ops import cuda
         return cuda.rotary_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                                     slot_mapping)
-    if q.device.type == "cpu" and q.shape[0]:
+    if q.is_cpu and q.shape[0]:
         out = _compiled_rotary_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                                         slot_mapping)
         if out is not None:

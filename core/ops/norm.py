@@ -42,22 +42,25 @@ def _rows(t: torch.Tensor) -> torch.Tensor | None:
 def _compiled_rms_norm(x, weight, eps, residual):
     """`rms_norm_ref` of float32 or bfloat16 CPU tensors by the compiled kernel; None where it
     does not apply or is not built."""
-    if not (x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16)
-            and weight.shape == x.shape[-1:] and weight.is_contiguous()
-            and (residual is None or (residual.dtype == x.dtype
-                                      and residual.shape == x.shape))):
+    # a decode step calls this twice a layer: the checks are as few torch calls as they can be
+    dtype, shape = x.dtype, x.shape
+    if not (dtype is weight.dtype and (dtype is torch.float32 or dtype is torch.bfloat16)
+            and weight.dim() == 1 and weight.shape[0] == shape[-1] and weight.is_contiguous()
+            and (residual is None or (residual.dtype is dtype and residual.shape == shape))):
         return None
     rows, res_rows = _rows(x), None if residual is None else _rows(residual)
-    lib = _norm_kernel(x.dtype)
+    lib = _norm_kernel(dtype)
     if rows is None or (residual is not None and res_rows is None) or lib is None:
         return None
-    out = torch.empty(x.shape, dtype=x.dtype)
-    summed = None if residual is None else torch.empty(x.shape, dtype=x.dtype)
-    lib.heron_rms_norm(rows.data_ptr(), rows.stride(0),
-                       None if res_rows is None else res_rows.data_ptr(),
-                       0 if res_rows is None else res_rows.stride(0), weight.data_ptr(),
-                       out.data_ptr(), None if summed is None else summed.data_ptr(),
-                       rows.shape[0], rows.shape[1], eps)
+    out = torch.empty(shape, dtype=dtype)
+    if residual is None:
+        lib.heron_rms_norm(rows.data_ptr(), rows.stride(0), None, 0, weight.data_ptr(),
+                           out.data_ptr(), None, rows.shape[0], rows.shape[1], eps)
+        return out, None
+    summed = torch.empty(shape, dtype=dtype)
+    lib.heron_rms_norm(rows.data_ptr(), rows.stride(0), res_rows.data_ptr(), res_rows.stride(0),
+                       weight.data_ptr(), out.data_ptr(), summed.data_ptr(), rows.shape[0],
+                       rows.shape[1], eps)
     return out, summed
 
 
@@ -79,7 +82,7 @@ def rms_norm(x, weight, eps, residual=None):
     if x.is_cuda:
         from heron.core.ops import cuda
         return cuda.rms_norm(x, weight, eps, residual)
-    if x.device.type == "cpu" and x.numel():
+    if x.is_cpu and x.numel():
         out = _compiled_rms_norm(x, weight, eps, residual)
         if out is not None:
             return out

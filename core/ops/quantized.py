@@ -119,25 +119,30 @@ def quantized_linear(x: torch.Tensor, w: QuantizedWeight,
     """``x [T, in] @ w.T + bias`` for float32 CPU ``x`` (rows may be strided); other
     dtypes multiply the dequantized weight."""
     lib = _kernel(w.qtype)
-    if x.dtype != torch.float32 or lib is None or x.device.type != "cpu":
+    if x.dtype is not torch.float32 or lib is None or not x.is_cpu:
         y = torch.nn.functional.linear(x, w.dequantize().to(x.dtype))
         return y if bias is None else y + bias
-    rows = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()
-    if rows.shape[-1] != w.in_features:
-        raise RuntimeError(f"quantized linear: input rows of {rows.shape[-1]} values, "
+    # a decode step calls this some 120 times with one row: every torch call counts here
+    flat = x.dim() == 2
+    rows = x if flat and x.stride(1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()
+    num_rows, width = rows.shape
+    out_features = w.blocks.shape[0]
+    if width != w.in_features:
+        raise RuntimeError(f"quantized linear: input rows of {width} values, "
                            f"weight rows of {w.in_features}")
-    if rows.shape[0] >= DEQUANTIZED_ROWS:
-        y = torch.nn.functional.linear(rows, w.dequantize(_scratch(w.shape.numel())), bias)
-        return y.view(*x.shape[:-1], w.shape[0])
-    y = torch.empty(rows.shape[0], w.shape[0], dtype=torch.float32)
-    if rows.shape[0]:
+    if num_rows >= DEQUANTIZED_ROWS:
+        y = torch.nn.functional.linear(rows, w.dequantize(_scratch(out_features * width)),
+                                       bias)
+        return y if flat else y.view(*x.shape[:-1], out_features)
+    y = torch.empty(num_rows, out_features)
+    if num_rows:
         kernel = (lib.heron_quant_linear_int8
-                  if w.int8_activations and rows.shape[0] <= INT8_ROWS else lib.heron_quant_linear)
-        kernel(rows.data_ptr(), rows.stride(0), w.blocks.data_ptr(), y.data_ptr(), y.stride(0),
-               rows.shape[0], w.shape[0], w.in_features)
+                  if w.int8_activations and num_rows <= INT8_ROWS else lib.heron_quant_linear)
+        kernel(rows.data_ptr(), rows.stride(0), w.blocks.data_ptr(), y.data_ptr(),
+               out_features, num_rows, out_features, width)
     if bias is not None:
         y += bias
-    return y.view(*x.shape[:-1], w.shape[0])
+    return y if flat else y.view(*x.shape[:-1], out_features)
 
 
 _SCRATCH = threading.local()

@@ -101,10 +101,10 @@ def qkv_heads(h: torch.Tensor, w: AttentionWeights, shape: AttentionShape,
         lora.apply("q_proj", h, qkv[:, :q_end])
         lora.apply("k_proj", h, qkv[:, q_end:k_end])
         lora.apply("v_proj", h, qkv[:, k_end:])
-    q, k, v = qkv.split([shape.q_size, shape.kv_size, shape.kv_size], dim=-1)
-    q = q.view(num_tokens, shape.num_heads, shape.head_dim)
-    k = k.view(num_tokens, shape.num_kv_heads, shape.head_dim)
-    v = v.view(num_tokens, shape.num_kv_heads, shape.head_dim)
+    # one view and one split rather than a split and three views: a decode step runs this
+    # once a layer, and on the CPU each torch call costs microseconds
+    q, k, v = qkv.view(num_tokens, -1, shape.head_dim).split_with_sizes(
+        [shape.num_heads, shape.num_kv_heads, shape.num_kv_heads], dim=1)
     if w.q_norm is not None:
         q, _ = rms_norm(q, w.q_norm, shape.eps)
         k, _ = rms_norm(k, w.k_norm, shape.eps)
