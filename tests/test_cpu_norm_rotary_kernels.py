@@ -1,12 +1,14 @@
 """The compiled CPU RMSNorm (``core/ops/kernels/norm_cpu.cpp``) against RMSNorm written out in
 float64, and the compiled rotary-with-KV-write (``rotary_cpu.cpp``) against the torch ops it
-replaces, `rotary_write_kv_ref`, bit for bit."""
+replaces, `rotary_write_kv_ref`, bit for bit; an engine with these kernels (and SiLU-and-mul's)
+against one without."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import heron.core.ops.activation as activation
 import heron.core.ops.attention as attention
 import heron.core.ops.norm as norm
 from heron.core.ops import rms_norm, rms_norm_ref, rope_cos_sin_cache, rotary_write_kv
@@ -220,16 +222,17 @@ def test_an_engine_with_the_kernels_and_without(dtype, tmp_path, monkeypatch):
         outs = engine.generate(prompts, params)
         return [o.outputs[0].token_ids for o in outs], recorder.rows
 
+    kernels = {"_compiled_rms_norm": norm, "_compiled_rotary_write_kv": attention,
+               "_compiled_silu_and_mul": activation}
     calls = []
-    for name in ("_compiled_rms_norm", "_compiled_rotary_write_kv"):
-        module = norm if name == "_compiled_rms_norm" else attention
+    for name, module in kernels.items():
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, real=real, name=name:
                             calls.append(name) or real(*a))
     tokens, rows = run()
-    assert set(calls) == {"_compiled_rms_norm", "_compiled_rotary_write_kv"}
-    monkeypatch.setattr(norm, "_compiled_rms_norm", lambda *a: None)
-    monkeypatch.setattr(attention, "_compiled_rotary_write_kv", lambda *a: None)
+    assert set(calls) == set(kernels)
+    for name, module in kernels.items():
+        monkeypatch.setattr(module, name, lambda *a: None)
     ref_tokens, ref_rows = run()
     assert tokens == ref_tokens and rows.keys() == ref_rows.keys()
     worst = max((rows[key].double() - ref_rows[key].double()).abs().max() for key in rows)

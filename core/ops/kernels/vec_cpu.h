@@ -102,6 +102,27 @@ inline void vstore(bf16_t *p, vec x)
     *reinterpret_cast<vech_u *>(p) = __builtin_convertvector(bf16_bits(x) >> 16, vech);
 }
 
+// exp for x <= 0 (attention: logits minus their max; SiLU: -|x|), relative error ~2e-7: x = k ln2 + r with
+// |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial, 2^k through the exponent bits.
+// Below -87 it returns exp(-87) ~ 2e-38 rather than 0, which no sum of weights can notice.
+inline vec vexp(vec x)
+{
+    const vec lo = vec{} - 87.0f;
+    x = x < lo ? lo : x;
+    const vec shifter = vec{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+    vec k = (x * 1.44269504088896341f + shifter) - shifter;
+    vec r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    vec p = vec{} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    veci bits = (__builtin_convertvector(k, veci) + 127) << 23;
+    return p * (vec)bits;  // a vector cast keeps the bits
+}
+
 inline void put(float *out, float x) { *out = x; }
 inline void put(bf16_t *out, float x) { *out = to_bf16(x); }
 
