@@ -149,17 +149,24 @@ def step_searches(searches: list[BeamSearch], logits: torch.Tensor,
     for i, search in enumerate(searches):
         groups.setdefault((search.num_beams, search.num_candidates), []).append(i)
     pairs: list[list[tuple[int, int]]] = [[] for _ in searches]
+    updates: list[tuple] = [() for _ in searches]
     for members in groups.values():
         group = [searches[i] for i in members]
-        for i, chosen in zip(members, _step_group(group, logprobs, [starts[i] for i in members])):
-            pairs[i] = chosen
+        stepped = _step_group(group, logprobs, [starts[i] for i in members])
+        for i, (chosen, update) in zip(members, stepped):
+            pairs[i], updates[i] = chosen, update
+    # every search's next state first, then all of them at once: a step that fails leaves
+    # every search as it was (the engine then steps each alone, to fail only the faulty)
+    for search, update in zip(searches, updates):
+        _commit(search, update)
     return pairs
 
 
 def _step_group(searches: list[BeamSearch], logprobs: torch.Tensor,
-                starts: list[int]) -> list[list[tuple[int, int]]]:
+                starts: list[int]) -> list[tuple[list[tuple[int, int]], tuple]]:
     """One step of searches with one ``num_beams`` and ``num_candidates``; search ``g``'s
-    processed log-probabilities are rows ``starts[g]`` onwards of ``logprobs``."""
+    processed log-probabilities are rows ``starts[g]`` onwards of ``logprobs``. Returns each
+    search's pairs and its next state, which `_commit` gives it."""
     beams, num_candidates = searches[0].num_beams, searches[0].num_candidates
     num, vocab = len(searches), logprobs.shape[1]
     # transformers expands the prompt to num_beams identical rows; the -1e9 of beams
@@ -205,25 +212,29 @@ def _step_group(searches: list[BeamSearch], logprobs: torch.Tensor,
         [b ** s.length_penalty for s, b in zip(searches, best_lengths)])).tolist()
     lowest = finished.min(dim=1).values.tolist()
 
-    out = []
+    updates, out = [], []  # each search's next state, for `step_searches` to commit
     for g, (s, keep_g, pick_g) in enumerate(zip(searches, keep.tolist(), pick.tolist())):
         candidates = [s._running[p] + [t] for p, t in zip(parents[g], tokens[g])]
-        s._running = [candidates[i] for i in keep_g]
-        s._running_scores = running[g]
         sequences, was_finished = s._finished + candidates, s._is_finished + just_finished[g]
-        s._finished = [sequences[i] for i in pick_g]
-        s._finished_scores = finished[g]
-        s._is_finished = [was_finished[i] for i in pick_g]
-        is_first = s.num_new_tokens == 0
-        s.num_new_tokens = lengths[g]
+        is_finished = [was_finished[i] for i in pick_g]
         # NOTE: while a slot is empty its -1e9 is the minimum, so any real beam can improve.
-        can_improve = any(best_running[g] > (lowest[g] if f else NEG) for f in s._is_finished)
-        all_full = all(s._is_finished) and s.early_stopping is True
-        s.done = all_full or all(ends[g]) or not can_improve
+        can_improve = any(best_running[g] > (lowest[g] if f else NEG) for f in is_finished)
+        all_full = all(is_finished) and s.early_stopping is True
+        done = all_full or all(ends[g]) or not can_improve
+        updates.append(([candidates[i] for i in keep_g], running[g],
+                        [sequences[i] for i in pick_g], finished[g], is_finished, lengths[g],
+                        done))
         # all beams of the first step come from the single prompt row
-        out.append([] if s.done else
+        is_first = s.num_new_tokens == 0
+        out.append([] if done else
                    [(0 if is_first else parents[g][i], tokens[g][i]) for i in keep_g])
-    return out
+    return list(zip(out, updates))
+
+
+def _commit(search: BeamSearch, update: tuple) -> None:
+    """Give ``search`` the state `_step_group` worked out for it."""
+    (search._running, search._running_scores, search._finished, search._finished_scores,
+     search._is_finished, search.num_new_tokens, search.done) = update
 
 
 def _penalties(flags: list[list[bool]]) -> torch.Tensor:

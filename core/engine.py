@@ -739,13 +739,32 @@ class Engine:
                 if seq.seq_id in group.rows:
                     seq.num_computed_tokens -= 1
             group.rows.clear()
-        steps = step_searches([s.beam.search for s in ready], logits,
-                              [s.beam.beam_rows() for s in ready])
+        try:
+            steps = step_searches([s.beam.search for s in ready], logits,
+                                  [s.beam.beam_rows() for s in ready])
+        except Exception:  # a failed step changed no search: find the faulty ones alone
+            log.exception("beam search step failed")
+            ready, steps = self._step_searches_alone(ready, logits)
         copies: list[tuple[int, int, int]] = []  # forked beams' partial blocks, copied at once
         for state, pairs in zip(ready, steps):
             state.beam.rows.clear()
             self._follow_beams(state, pairs, copies)
         copy_block_rows(self.cache.kv, copies)
+
+    def _step_searches_alone(self, states: list[RequestState], logits: torch.Tensor
+                             ) -> tuple[list[RequestState], list[list[tuple[int, int]]]]:
+        """Step each search of ``states`` by itself; one that fails finishes its request
+        with an error (its sequences retire when the step reports it), the rest go on.
+        Returns the states that stepped and their pairs."""
+        stepped, steps = [], []
+        for state in states:
+            try:
+                steps += step_searches([state.beam.search], logits, [state.beam.beam_rows()])
+                stepped.append(state)
+            except Exception as e:
+                state.beam.rows.clear()
+                state.finish("error", error=f"beam search step failed: {e}")
+        return stepped, steps
 
     def _follow_beams(self, state: RequestState, pairs: list[tuple[int, int]],
                       copies: list[tuple[int, int, int]]) -> None:

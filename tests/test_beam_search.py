@@ -320,3 +320,22 @@ def test_searches_stepped_together_step_as_alone():
                 beams[i] = [beams[i][p] + [t] for p, t in chosen]
     assert len({len(t) for t, _ in alone}) > 1  # they end at different steps
     assert [(t, s.results()) for t, s in zip(traces, searches)] == alone
+
+
+def test_a_failing_step_leaves_every_search_as_it_was():
+    """A step of several searches that fails (here the second beam count's group, after the
+    first group's tensors are worked out) changes none of them: the engine then steps each
+    alone to fail only the faulty one, which must not step the others twice."""
+    good = BeamSearch(num_beams=2, max_new_tokens=6, eos_token_ids=(EOS,))
+    bad = BeamSearch(num_beams=3, max_new_tokens=6, eos_token_ids=(EOS,))
+    logits = torch.stack([_logits([]), _logits([])])
+    step_searches([good, bad], logits, [[0], [1]])
+    before = (list(good._running), good._running_scores.clone(), good.num_new_tokens)
+    bad._running_scores = torch.zeros(7)  # no longer its beams': its group's sum raises
+    logits = torch.stack([_logits([1])] * 5)
+    with pytest.raises(RuntimeError):
+        step_searches([good, bad], logits, [[0, 1], [2, 3, 4]])
+    assert (good._running, good.num_new_tokens) == (before[0], before[2])
+    assert torch.equal(good._running_scores, before[1]) and not good.done
+    assert step_searches([good], logits, [[0, 1]])[0]  # and it steps on from there
+    assert good.num_new_tokens == 2

@@ -1,6 +1,7 @@
 """Faults below the engine (tests/fault_plugin.py): a family that raises, or returns NaN
 logits, fails only the requests it touches; everything they held (KV blocks, state slots,
-adapter references) is released and the engine goes on serving."""
+adapter references) is released and the engine goes on serving. So does a fault in one
+request's beam search."""
 
 from __future__ import annotations
 
@@ -133,3 +134,37 @@ def test_marked_requests_get_500s_and_stream_errors_while_others_are_served(llam
         metrics = server.wait_for(lambda m: m["heron_requests_running"] == 0)
         assert metrics["heron_kv_blocks_in_use"] == metrics["heron_requests_waiting"] == 0
         assert metrics["heron_state_slots_in_use"] == metrics["heron_lora_adapters_in_use"] == 0
+
+
+def test_a_failing_beam_search_fails_only_its_request(llama, make):
+    """One request's beam search raises from its third step on, while another request's
+    search steps in the same batch: the faulty request ends with the error, the other beam
+    search and a sampled request finish as they do without the fault, nothing leaks."""
+    beams = SamplingParams(num_beams=3, n=2, max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(fault: bool) -> dict:
+        engine = make(llama)
+        engine.add_request("beams", PLAIN, beams)
+        engine.add_request("bad", [5, 6, 7, 8], beams)
+        engine.add_request("plain", PLAIN[:5], GREEDY)
+        search, steps = engine._requests["bad"].beam.search, []
+        real = search._process
+
+        def process(logprobs):  # once per step of this search (and per try of it)
+            steps.append(len(steps))
+            if fault and len(steps) >= 3:
+                raise RuntimeError("injected")
+            real(logprobs)
+
+        search._process = process
+        done = run_to_end(engine)
+        assert_no_leaks(engine)
+        return done, len(steps)
+
+    (ref, ref_steps), (got, got_steps) = run(False), run(True)
+    assert ref_steps == 6 and got_steps == 4  # the batched try, then the search alone
+    assert [(o.finish_reason, o.error) for o in got["bad"].outputs] == [
+        ("error", "beam search step failed: injected")] * 2
+    for rid in ("beams", "plain"):
+        assert [o.token_ids for o in got[rid].outputs] == [o.token_ids for o in ref[rid].outputs]
+        assert all(o.error is None for o in got[rid].outputs)
