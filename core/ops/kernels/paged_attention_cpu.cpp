@@ -147,7 +147,9 @@ extern "C" int heron_decode_attention(
     first[B] = num_tasks;
     const int stride = (part_keys + 15) & ~15;  // a score row, whole vectors
     int failed = 0;
-    #pragma omp parallel
+    // one task (a single short context: a decode step of one sequence) runs on this thread;
+    // waking the others would cost more than its keys
+    #pragma omp parallel if (num_tasks > 1)
     {
         float *s = static_cast<float *>(std::malloc(sizeof(float) * Hq * stride));
         if (s == nullptr) {

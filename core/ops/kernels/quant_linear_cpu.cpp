@@ -160,7 +160,7 @@ void row(const float *x, const uint8_t *w, int64_t row_bytes, int64_t K, float *
 
 struct QuantizedRows {
     std::vector<int8_t> q;  // [M, K]
-    std::vector<float> d, s;  // [M, K / 32]
+    std::vector<float> ds;  // [M, K / 32, 2]: each block's d and s, side by side
 };
 
 #ifdef BLOCK_IN_REGISTERS
@@ -206,9 +206,8 @@ inline __m256i weight_bytes(const uint8_t *q)
     if (!NIBBLES)
         return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(q));
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(q));
-    const __m128i low = _mm_set1_epi8(0x0f);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low),
-                            _mm_and_si128(raw, low));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw),
+                            _mm256_set1_epi8(0x0f));
 }
 
 // sum(w * x) over a block, as 8 int32 partial sums converted to float
@@ -238,14 +237,28 @@ inline void quantize_block(const float *x, int8_t *q, float &d, float &s)
 
 QuantizedRows quantize_rows(const float *x, int64_t x_stride, int64_t M, int64_t K)
 {
-    QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * K / 32),
-                    std::vector<float>(M * K / 32)};
+    QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * K / 32 * 2)};
     for (int64_t m = 0; m < M; ++m)
-        for (int64_t b = 0; b < K / 32; ++b)
-            quantize_block(x + m * x_stride + b * 32, r.q.data() + m * K + b * 32,
-                           r.d[m * K / 32 + b], r.s[m * K / 32 + b]);
+        for (int64_t b = 0; b < K / 32; ++b) {
+            float *ds = r.ds.data() + (m * K / 32 + b) * 2;
+            quantize_block(x + m * x_stride + b * 32, r.q.data() + m * K + b * 32, ds[0],
+                           ds[1]);
+        }
     return r;
 }
+
+#ifdef BLOCK_IN_REGISTERS
+// A weight block's d and c (see above) as the first two lanes of a vector, converted from
+// fp16 in one instruction (Q4_1's pair; Q8_0's d beside a zero; Q4_0's d, then times -8)
+inline __m128 weight_scales(const uint8_t *b)
+{
+    uint32_t bits = 0;
+    std::memcpy(&bits, b, QTYPE == 3 ? 4 : 2);
+    const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128((int)bits));
+    return QTYPE == 2 ? _mm_mul_ps(_mm_moveldup_ps(v), _mm_setr_ps(1.0f, -8.0f, 0.0f, 0.0f))
+                      : v;
+}
+#endif
 
 // y[i][n] for rows i < mt of r from row0 on, weight rows [n0, n1)
 template <int mt>
@@ -254,27 +267,32 @@ void rows_int8(const QuantizedRows &r, int64_t row0, const uint8_t *w, int64_t r
 {
     const int64_t blocks = K / 32;
     const int8_t *q = r.q.data() + row0 * K;
-    const float *d = r.d.data() + row0 * blocks, *s = r.s.data() + row0 * blocks;
+    const float *ds = r.ds.data() + row0 * blocks * 2;
     for (int64_t n = n0; n < n1; ++n) {
         const uint8_t *wr = w + n * row_bytes;
-        float c_sum[mt] = {};
 #ifdef BLOCK_IN_REGISTERS
         __m256 acc[mt];
-        for (int i = 0; i < mt; ++i) acc[i] = _mm256_setzero_ps();
+        __m128 c_sum[mt];  // lane 1: the sum of c * s
+        for (int i = 0; i < mt; ++i) acc[i] = _mm256_setzero_ps(), c_sum[i] = _mm_setzero_ps();
         for (int64_t b = 0; b < blocks; ++b) {
-            float dw, c;
-            const __m256i wq = weight_bytes(params(wr + b * BLOCK_BYTES, dw, c));
+            const uint8_t *wb = wr + b * BLOCK_BYTES;
+            const __m128 dc = weight_scales(wb);
+            const __m256i wq = weight_bytes(wb + (QTYPE == 3 ? 4 : 2));
             for (int i = 0; i < mt; ++i) {
                 const __m256i xq = _mm256_loadu_si256(
                     reinterpret_cast<const __m256i *>(q + i * K + b * 32));
-                acc[i] = _mm256_fmadd_ps(block_dot(wq, xq),
-                                         _mm256_set1_ps(dw * d[i * blocks + b]), acc[i]);
-                c_sum[i] += c * s[i * blocks + b];
+                // {dw * d, c * s}: the block's scale and its offset term in one multiply
+                const __m128 scale = _mm_mul_ps(dc, _mm_castpd_ps(_mm_load_sd(
+                    reinterpret_cast<const double *>(ds + (i * blocks + b) * 2))));
+                acc[i] = _mm256_fmadd_ps(block_dot(wq, xq), _mm256_broadcastss_ps(scale),
+                                         acc[i]);
+                c_sum[i] = _mm_add_ps(c_sum[i], scale);
             }
         }
-        for (int i = 0; i < mt; ++i) y[i * y_stride + n] = sum8(acc[i]) + c_sum[i];
+        for (int i = 0; i < mt; ++i)
+            y[i * y_stride + n] = sum8(acc[i]) + _mm_cvtss_f32(_mm_movehdup_ps(c_sum[i]));
 #else
-        float acc[mt] = {};
+        float acc[mt] = {}, c_sum[mt] = {};
         for (int64_t b = 0; b < blocks; ++b) {
             float dw, c;
             const uint8_t *wq = params(wr + b * BLOCK_BYTES, dw, c);
@@ -282,8 +300,9 @@ void rows_int8(const QuantizedRows &r, int64_t row0, const uint8_t *w, int64_t r
                 int dot = 0;
                 for (int k = 0; k < 32; ++k)
                     dot += quantized_value(wq, k) * q[i * K + b * 32 + k];
-                acc[i] += dw * d[i * blocks + b] * (float)dot;
-                c_sum[i] += c * s[i * blocks + b];
+                const float *dsb = ds + (i * blocks + b) * 2;
+                acc[i] += dw * dsb[0] * (float)dot;
+                c_sum[i] += c * dsb[1];
             }
         }
         for (int i = 0; i < mt; ++i) y[i * y_stride + n] = acc[i] + c_sum[i];
