@@ -12,8 +12,9 @@ schema, ``thinking`` reaches the template as ``enable_thinking`` (and
 ``output_config.effort`` as ``reasoning_effort``), and with a reasoning parser the thinking
 comes back as a ``thinking`` block. The answer is its blocks (thinking, text, then the
 calls), with ``stop_reason`` ``end_turn``, ``max_tokens``, ``stop_sequence`` (naming it) or
-``tool_use``; a stream sends Anthropic's events: text and thinking as they come, each call
-whole in its block.
+``tool_use``; a stream sends Anthropic's events: text and thinking as they come, a named
+call's input as the model writes it (``input_json_delta`` pieces, as chat streams its
+arguments), and the other calls each whole in its block, once the answer ends.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from heron.server.protocol import (ChatMessage, ContentPart, FunctionCall, Funct
 from heron.server.reasoning import ReasoningSplit, plan_thinking
 from heron.server.responses import ToolCall, json_response
 from heron.server.sse import EventStream
-from heron.server.tools import CallHold, ToolPlan, plan_tools, template_tools
+from heron.server.tools import CallHold, ToolPlan, new_call_id, plan_tools, template_tools
 from heron.server.translation_jobs import refuse_translation_model
 
 
@@ -257,6 +258,16 @@ class _Blocks:
         self.called = True
         await self.close()
 
+    async def arguments(self, name: str, piece: str) -> None:
+        """A named call's arguments as they come; the first piece opens its block."""
+        if not piece:
+            return
+        if self.open != "tool_use":
+            await self._start(OutToolUse(id=new_call_id(), name=name, input={}))
+            self.called = True
+        await self.events.send(ContentBlockDelta(index=self.index,
+                                                 delta=InputJsonDelta(partial_json=piece)))
+
     async def _start(self, block: OutBlock) -> None:
         await self.close()
         self.index += 1
@@ -280,7 +291,7 @@ async def _stream(request: web.Request, gen: Generation, tools: ToolPlan | None,
 
     async def produce() -> None:
         started = False
-        held = ""  # "named" and "required": the calls, parsed once whole
+        held = ""  # "required": the calls, parsed once whole
         async for _, delta in gen.deltas():
             if not started:  # once the prompt is scheduled: its cached tokens are known
                 started = True
@@ -294,6 +305,8 @@ async def _stream(request: web.Request, gen: Generation, tools: ToolPlan | None,
                 await blocks.piece("thinking", thought)
                 if mode in ("none", "auto"):
                     await blocks.piece("text", hold.feed(text) if hold else text)
+                elif mode == "named":  # the arguments stream as they come, as in chat
+                    await blocks.arguments(tools.function, text)
                 else:
                     held += text
                 if not final:
@@ -302,7 +315,7 @@ async def _stream(request: web.Request, gen: Generation, tools: ToolPlan | None,
                 if hold is not None:
                     rest, calls = hold.end(tools)
                     await blocks.piece("text", rest)
-                elif mode != "none":
+                elif mode == "required":
                     content, calls = tools.parse(held)
                     await blocks.piece("text", content or "")
                 for call in calls:

@@ -142,18 +142,24 @@ def test_tool_choice_gives_tool_use_blocks(client, stream):
             return create(client, tools=ANTHROPIC_TOOLS, max_tokens=80, **kw)
         with client.messages.stream(model="tiny", messages=ASK, max_tokens=80,
                                     tools=ANTHROPIC_TOOLS, **GREEDY, **kw) as events:
-            kinds = [event.type for event in events]
+            received = list(events)
             final = events.get_final_message()
+        kinds = [event.type for event in received]
         # every block opens and closes: a call's input is whole at its stop
         assert kinds.count("content_block_start") == kinds.count("content_block_stop")
         assert kinds.count("content_block_stop") == len(final.content)
+        pieces.extend(e.delta.partial_json for e in received
+                      if e.type == "content_block_delta" and e.delta.type == "input_json_delta")
         return final
 
+    pieces = []
     named = run(tool_choice={"type": "tool", "name": "get_time"})
     (call,) = named.content
     assert named.stop_reason == "tool_use" and call.type == "tool_use"
     assert call.name == "get_time" and call.id
     jsonschema.validate(call.input, SCHEMAS["get_time"])
+    if stream:  # a named call's input comes as the model writes it, in pieces
+        assert len(pieces) > 1 and json.loads("".join(pieces)) == call.input
     forced = run(tool_choice={"type": "any", "disable_parallel_tool_use": True})
     (call,) = forced.content
     assert forced.stop_reason == "tool_use" and call.name in SCHEMAS
