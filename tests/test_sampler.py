@@ -18,9 +18,10 @@ import heron.core.penalties as penalties_module
 import heron.core.sampler as sampler_module
 from heron.core.logprobs import prompt_logprobs
 from heron.core.penalties import apply_penalties
-from heron.core.sampler import Sampler, SamplerOutput
+from heron.core.sampler import FAILED, Sampler, SamplerOutput
 from heron.core.sampling_params import SamplingParams
 from heron.core.sequence import Sequence
+from tests.kernel_utils import vector_widths
 
 EOS = (2, 9)
 NUM_DRAWS = 20_000
@@ -520,6 +521,38 @@ def test_greedy_batch_fails_the_same_rows_in_one_argmax(monkeypatch, dtype, devi
         seqs[0] = make_seq(SamplingParams(**{"temperature": 0.0, **extra}), seq_id=0)
         with pytest.raises(AssertionError, match="plain greedy"):
             Sampler(EOS).sample(logits.to(device), seqs)
+
+
+argmax_width = vector_widths(sampler_module, "_argmax_kernel")
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 49152), (7, 300), (3, 13), (40, 30000)])
+def test_the_compiled_argmax_is_torchs(rows, vocab, argmax_width):
+    """The compiled checked argmax (float32 rows on the CPU) against the torch ops it
+    replaces: random rows, ties (the first index wins, also across vector lanes and in the
+    tail), the failing rows, a row of masks, strided rows; vocabularies that are not whole
+    vectors (13, 300), and enough rows for several threads (40 x 30000)."""
+    g = torch.Generator().manual_seed(rows + vocab)
+    wide = (torch.randn(rows, vocab + 5, generator=g) * 4).round()  # many ties
+    logits = wide[:, 2:2 + vocab]
+    logits[0, vocab - 1] = logits[0].max() + 1  # the last element, in the scalar tail
+    if rows > 1:
+        logits[1, 1], logits[1, vocab // 2] = float("nan"), 1e30
+    if rows > 2:
+        logits[2, vocab - 2] = float("inf")
+    if rows > 3:
+        logits[3] = float("-inf")
+        logits[4, :] = float("-inf")
+        logits[4, 5] = logits[4, 11] = -1e38  # a tie of the only finite logits
+        logits[5, 3] = logits[5, vocab - 1] = 1e9  # a tie between a lane and the tail
+        logits[6, -1] = float("nan")
+    want = sampler_module._checked_argmax_ref(logits)
+    got = sampler_module._checked_argmax(logits)
+    assert sampler_module._argmax_kernel() is not None  # the kernel ran, not the torch ops
+    assert torch.equal(got, want)
+    assert want[0] == vocab - 1
+    if rows > 3:
+        assert want[1:7].tolist() == [FAILED, FAILED, FAILED, 5, 3, FAILED]
 
 
 def test_shape_mismatch_is_rejected():
