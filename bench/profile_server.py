@@ -87,6 +87,9 @@ def summarize(raw: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--keep-quantized", choices=["false", "true", "int8"], default="false",
+                        help="model.keep_quantized (bench.compare's heron, heron-q4_1, "
+                             "heron-q4_1-int8)")
     parser.add_argument("--workload", default="short-chat")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -98,7 +101,9 @@ def main() -> None:
     from heron.core.default_model import ensure_default_model
 
     port = free_port()
-    system = heron(ensure_default_model(), port, args.threads, args.concurrency)
+    kept = {"false": False, "true": True}.get(args.keep_quantized, args.keep_quantized)
+    system = heron(ensure_default_model(), port, args.threads, args.concurrency,
+                   keep_quantized=kept)
     url = f"http://127.0.0.1:{port}"
     date = dt.date.today().isoformat()
     args.out.mkdir(parents=True, exist_ok=True)
