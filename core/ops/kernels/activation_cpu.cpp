@@ -13,19 +13,9 @@
 #include <cmath>
 #include <cstdint>
 
-#include "vec_cpu.h"
+#include "act_cpu.h"
 
 namespace {
-
-#ifdef ACT_BF16
-typedef bf16_t elem_t;
-inline vec round_act(vec x) { return (vec)bf16_bits(x); }  // as torch would store it
-inline float round_act(float x) { return widen(to_bf16(x)); }
-#else
-typedef float elem_t;
-inline vec round_act(vec x) { return x; }
-inline float round_act(float x) { return x; }
-#endif
 
 inline vec vsilu(vec g)
 {
