@@ -45,6 +45,7 @@ inline float half_to_float(const uint8_t *p)
 #endif
 // a block: fp16 d, then (Q4_1) fp16 m, then the quantized bytes
 constexpr int64_t BLOCK_BYTES = QTYPE == 2 ? 18 : QTYPE == 3 ? 20 : 34;
+constexpr int64_t HEADER_BYTES = QTYPE == 3 ? 4 : 2;  // the fp16 d (and m) before the bytes
 constexpr bool NIBBLES = QTYPE != 8, SIGNED = QTYPE == 8;
 
 // block b's quantized bytes, and d and m of its values' d * q + m (Q4_0's m = -8 d: then
@@ -53,7 +54,7 @@ inline const uint8_t *params(const uint8_t *b, float &d, float &m)
 {
     d = half_to_float(b);
     m = QTYPE == 3 ? half_to_float(b + 2) : QTYPE == 2 ? -8.0f * d : 0.0f;
-    return b + (QTYPE == 3 ? 4 : 2);
+    return b + HEADER_BYTES;
 }
 
 // value i of a block's quantized bytes q (8-bit ints; nibbles: 16 bytes whose low then high
@@ -253,7 +254,7 @@ QuantizedRows quantize_rows(const float *x, int64_t x_stride, int64_t M, int64_t
 inline __m128 weight_scales(const uint8_t *b)
 {
     uint32_t bits = 0;
-    std::memcpy(&bits, b, QTYPE == 3 ? 4 : 2);
+    std::memcpy(&bits, b, HEADER_BYTES);
     const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128((int)bits));
     return QTYPE == 2 ? _mm_mul_ps(_mm_moveldup_ps(v), _mm_setr_ps(1.0f, -8.0f, 0.0f, 0.0f))
                       : v;
@@ -277,7 +278,7 @@ void rows_int8(const QuantizedRows &r, int64_t row0, const uint8_t *w, int64_t r
         for (int64_t b = 0; b < blocks; ++b) {
             const uint8_t *wb = wr + b * BLOCK_BYTES;
             const __m128 dc = weight_scales(wb);
-            const __m256i wq = weight_bytes(wb + (QTYPE == 3 ? 4 : 2));
+            const __m256i wq = weight_bytes(wb + HEADER_BYTES);
             for (int i = 0; i < mt; ++i) {
                 const __m256i xq = _mm256_loadu_si256(
                     reinterpret_cast<const __m256i *>(q + i * K + b * 32));
