@@ -37,7 +37,7 @@ from bench.loadgen import load_workload, run
 # py-spy names frames "function (path:line)", paths relative to their sys.path entry. The
 # first category with a marker in a frame, from the innermost frame outwards, is the sample's.
 CATEGORIES = [
-    ("model math: matmuls", ("(core/ops/linear.py",)),
+    ("model math: matmuls", ("(core/ops/linear.py", "(core/ops/quantized.py")),
     ("model math: attention", ("(core/ops/attention.py",)),
     ("model math: other ops and layer code", ("(plugins/", "(core/ops/")),
     ("sampling", ("(core/sampler.py", "(core/penalties.py", "(core/logprobs.py")),
