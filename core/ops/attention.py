@@ -382,8 +382,4 @@ def paged_attention(q, k_cache, v_cache, meta, scale):
     if q.is_cuda:
         from heron.core.ops import cuda
         return cuda.paged_attention(q, k_cache, v_cache, meta, scale)
-    if meta.cpu_kernels and meta.is_decode_only:  # straight to the kernel, as `_decode` goes
-        out = _compiled_decode(_as(q, k_cache.dtype), k_cache, v_cache, meta, scale)
-        if out is not None:
-            return _as(out, q.dtype)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale)

@@ -102,8 +102,9 @@ inline void vstore(bf16_t *p, vec x)
     *reinterpret_cast<vech_u *>(p) = __builtin_convertvector(bf16_bits(x) >> 16, vech);
 }
 
-// exp for x <= 0 (attention: logits minus their max; SiLU: -|x|), relative error ~2e-7: x = k ln2 + r with
-// |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial, 2^k through the exponent bits.
+// exp for x <= 0 (attention: logits minus their max; SiLU: -|x|), relative error ~2e-7:
+// x = k ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' expf polynomial, 2^k through the
+// exponent bits.
 // Below -87 it returns exp(-87) ~ 2e-38 rather than 0, which no sum of weights can notice.
 inline vec vexp(vec x)
 {
