@@ -311,8 +311,6 @@ class Engine:
                 seq.generator = torch.Generator(self.device).manual_seed(params.seed + index)
             if grammar is not None:
                 seq.grammar = grammar if index == 0 else grammar.deep_copy()
-                gate = params.structured_outputs.reasoning
-                seq.thinking = gate is not None and gate.open
             seqs.append(seq)
             if params.num_beams == 1:  # beam outputs are the search's (`BeamGroup`)
                 outputs.append(SeqOutput(seq, index, self.tokenizer,
@@ -373,7 +371,7 @@ class Engine:
         spec = params.structured_outputs
         if spec is None:
             return None
-        spec.validate(self.runner.info.vocab_size)
+        spec.validate()
         if self.grammars is None:
             raise ValueError("structured_outputs needs a tokenizer; this model has none")
         if self.runner.is_encoder_decoder:

@@ -78,7 +78,7 @@ class Grammars:
     def compile(self, spec: StructuredOutput) -> LLMatcher:
         """A matcher in the grammar's start state; `StructuredOutputError` naming what is
         wrong with ``spec``."""
-        key = msgspec.json.encode(msgspec.structs.replace(spec, reasoning=None, param=None),
+        key = msgspec.json.encode(msgspec.structs.replace(spec, param=None),
                                   order="sorted")
         with self._lock:
             start = self._compiled.get(key)
@@ -137,7 +137,7 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab_size]
     banned = allowed == 0
     for k, i in enumerate(rows):  # a reasoning model's first token may open its thinking
-        gate = seqs[i].params.structured_outputs.reasoning
+        gate = seqs[i].params.reasoning
         if gate is not None and seqs[i].num_output_tokens == 0:
             banned[k, gate.start_token_id] = False
     if len(rows) == len(seqs):

@@ -11,6 +11,7 @@ from heron.core.outputs import CompletionOutput, RequestOutput
 from heron.core.sampling_params import SamplingParams
 from heron.core.sequence import Sequence
 from heron.core.stop import StopChecker
+from heron.core.thinking import follow_thinking
 
 
 class SeqOutput:
@@ -51,17 +52,11 @@ class SeqOutput:
         matched = self._add_text(token_id)
         if matched is not None:
             return self.finish("stop", matched, flush=False)
-        if seq.grammar is not None:
-            gate = params.structured_outputs.reasoning
-            if seq.thinking:
-                seq.thinking = token_id != gate.end_token_id
-            elif (gate is not None and seq.num_output_tokens == 1
-                  and token_id == gate.start_token_id):
-                seq.thinking = True
-            elif not seq.grammar.consume_token(token_id):  # the mask allowed it: a bug if so
+        if not follow_thinking(seq, token_id) and seq.grammar is not None:
+            if not seq.grammar.consume_token(token_id):  # the mask allowed it: a bug if so
                 return self.finish("error", error="the output left its structured-output "
                                    f"grammar: {seq.grammar.get_error()}")
-            elif seq.grammar.is_stopped():  # complete: nothing but EOS may follow
+            if seq.grammar.is_stopped():  # complete: nothing but EOS may follow
                 return self.finish("stop")
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             return self.finish("length")

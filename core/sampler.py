@@ -16,6 +16,7 @@ from heron.core.logprobs import (TokenLogprobs, describe_token_logprobs,
 from heron.core.penalties import (apply_allowed_tokens, apply_bad_words, apply_logit_bias,
                                   apply_min_tokens, apply_penalties, has_penalties)
 from heron.core.sequence import Sequence
+from heron.core.thinking import apply_thinking_budgets, budget_spent
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS): dividing logits by
 # them can overflow to inf and turn the softmax into NaN, and the result would be argmax anyway.
@@ -90,11 +91,11 @@ class PendingSample:
 class Sampler:
     """Samples one token per row, vLLM-compatible in the order settings are applied.
 
-    Per row: raw logprobs for reporting, min_tokens bans, logit bias, penalties, the
-    structured output's mask, then either argmax (greedy rows) or temperature, top-k, top-p,
-    min-p and a draw. A row of a request with a seed draws its noise only from
-    ``seq.generator``, so its tokens depend on nothing but its own logits and seed: not on
-    batch size, row position or other requests.
+    Per row: raw logprobs for reporting, min_tokens bans, logit bias, allowed tokens, bad
+    words, penalties, the structured output's mask, a spent thinking budget, then either
+    argmax (greedy rows) or temperature, top-k, top-p, min-p and a draw. A row of a request
+    with a seed draws its noise only from ``seq.generator``, so its tokens depend on nothing
+    but its own logits and seed: not on batch size, row position or other requests.
     """
 
     def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
@@ -135,6 +136,7 @@ class Sampler:
         apply_bad_words(logits, seqs)
         apply_penalties(logits, seqs)
         apply_grammar_masks(logits, seqs)
+        apply_thinking_budgets(logits, seqs)
         # NOTE: only these can mask a whole row (top-k, top-p and min-p keep the best token)
         restricted = any(seq.params.allowed_token_ids or seq.params.bad_words_token_ids
                          or seq.grammar is not None for seq in seqs)
@@ -173,7 +175,7 @@ def _takes_raw_argmax(seq: Sequence) -> bool:
     return (params.temperature < GREEDY_TEMPERATURE_EPS and params.logprobs is None
             and not params.logit_bias and params.allowed_token_ids is None
             and not params.bad_words_token_ids and seq.grammar is None
-            and not has_penalties(params)
+            and not has_penalties(params) and not budget_spent(seq)
             and not (params.min_tokens and seq.num_output_tokens < params.min_tokens))
 
 

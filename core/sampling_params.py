@@ -8,11 +8,11 @@ import msgspec
 
 
 class ReasoningGate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A reasoning model's thinking, which a grammar leaves free: the grammar holds from the
-    token after the output's first ``end_token_id``. ``open``: the output starts inside the
-    thinking (its prompt opened it); otherwise the output may open it with
-    ``start_token_id`` as its first token, and is held to the grammar from the start if it
-    does not."""
+    """Where a reasoning model's thinking is in an output: it ends with the output's first
+    ``end_token_id``. ``open``: the output starts inside the thinking (its prompt opened
+    it); otherwise the output may open it with ``start_token_id`` as its first token, and
+    has no thinking if it does not. A grammar holds from the token after the thinking;
+    ``SamplingParams.thinking_token_budget`` counts the tokens inside it."""
 
     start_token_id: int
     end_token_id: int
@@ -23,14 +23,14 @@ class StructuredOutput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     """What the output must match (vLLM's ``structured_outputs``), exactly one of: ``json``,
     a JSON schema (``{"type": "object"}``: any JSON object); ``regex``; ``choice``, one of
     these strings; ``grammar``, a Lark grammar. The output ends once it is complete.
-    ``reasoning``: the model's thinking comes first, free of the grammar. ``param``: where
-    the request gave it (``response_format``...), for `StructuredOutputError`."""
+    A reasoning model's thinking (``SamplingParams.reasoning``) comes first, free of the
+    grammar. ``param``: where the request gave it (``response_format``...), for
+    `StructuredOutputError`."""
 
     json: dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    reasoning: ReasoningGate | None = None
     # the request field it came from, which an error compiling it names
     param: str | None = None
 
@@ -39,18 +39,13 @@ class StructuredOutput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         """The one field set (`validate` checks there is one)."""
         return next(name for name in _STRUCTURED_KINDS if getattr(self, name) is not None)
 
-    def validate(self, vocab_size: int | None = None) -> None:
+    def validate(self) -> None:
         given = [name for name in _STRUCTURED_KINDS if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError("structured_outputs must set exactly one of json, regex, choice "
                              f"and grammar; got {given or 'none'}")
         if self.choice is not None and not self.choice:
             raise ValueError("structured_outputs: choice must list at least one string")
-        gate, limit = self.reasoning, math.inf if vocab_size is None else vocab_size
-        if gate is not None and not (0 <= gate.start_token_id < limit
-                                     and 0 <= gate.end_token_id < limit):
-            raise ValueError(f"structured_outputs: the reasoning tokens {gate.start_token_id} "
-                             f"and {gate.end_token_id} must be in the vocabulary")
 
 
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
@@ -72,6 +67,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ends with the word's other tokens (a one-token word always).
     ``structured_outputs`` constrains the output to a grammar (`StructuredOutput`,
     `heron.core.grammar`); logprobs stay those of the unconstrained distribution.
+    ``reasoning`` marks a reasoning model's thinking (`ReasoningGate`), which a grammar
+    leaves free; ``thinking_token_budget`` (vLLM's; it needs ``reasoning``) caps the tokens
+    inside the thinking: once it holds that many, its end token is the only one left to
+    sample (0: the thinking ends at once).
 
     ``num_beams > 1`` asks for beam search with transformers' ``generate`` semantics
     (`heron.core.beam_search`): ``length_penalty``, ``early_stopping`` (True, False or
@@ -98,6 +97,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     allowed_token_ids: list[int] | None = None
     bad_words_token_ids: list[list[int]] = []
     structured_outputs: StructuredOutput | None = None
+    reasoning: ReasoningGate | None = None
+    thinking_token_budget: int | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
@@ -126,6 +127,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("repetition_penalty", self.repetition_penalty > 0.0),
             ("logprobs", self.logprobs is None or self.logprobs >= 0),
             ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0),
+            ("thinking_token_budget",
+             self.thinking_token_budget is None or self.thinking_token_budget >= 0),
         )
         for name, ok in checks:
             if not ok:
@@ -150,7 +153,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"{name} is out of range: each list needs token ids "
                                  f"{'>= 0' if vocab_size is None else f'0..{vocab_size - 1}'}")
         if self.structured_outputs is not None:
-            self.structured_outputs.validate(vocab_size)
+            self.structured_outputs.validate()
+        gate = self.reasoning
+        if gate is not None and not (0 <= gate.start_token_id < limit
+                                     and 0 <= gate.end_token_id < limit):
+            raise ValueError(f"reasoning: the thinking's tokens {gate.start_token_id} and "
+                             f"{gate.end_token_id} must be in the vocabulary")
+        if self.thinking_token_budget is not None and gate is None:
+            raise ValueError("thinking_token_budget needs `reasoning`: the tokens that start "
+                             "and end the thinking it counts")
         if self.priority and not priorities:
             raise ValueError('priority needs engine.scheduling_policy = "priority" (this '
                              "engine runs requests first come, first served)")
@@ -176,6 +187,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ("allowed_token_ids", self.allowed_token_ids, None),
             ("bad_words_token_ids", self.bad_words_token_ids, []),
             ("structured_outputs", self.structured_outputs, None),
+            ("thinking_token_budget", self.thinking_token_budget, None),
             ("logprobs", self.logprobs, None),
             ("prompt_logprobs", self.prompt_logprobs, None)) if value != plain]
         if unsupported:

@@ -34,7 +34,8 @@ class Sequence:
     (`heron.core.speculative`): scheduled after them, never part of them.
     ``grammar`` is the matcher of its structured output (`heron.core.grammar`), if any;
     ``thinking`` is True while the output is in a reasoning model's thinking, which the
-    grammar leaves free (`heron.core.sampling_params.ReasoningGate`).
+    grammar leaves free, and ``num_thinking_tokens`` counts the tokens in it, its start
+    and end aside (`heron.core.thinking`).
     ``family_state`` is whatever the model family's ``alloc_sequence`` returned; the engine
     never looks inside it.
     """
@@ -44,7 +45,7 @@ class Sequence:
         "block_table", "status", "params", "arrival", "family_state", "generator",
         "namespace", "num_cached_tokens", "host_block_table", "state_slot", "lora_slot",
         "encoder_token_ids", "encoder_stages_done", "draft_token_ids", "grammar",
-        "thinking",
+        "thinking", "num_thinking_tokens",
     )
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
@@ -71,7 +72,9 @@ class Sequence:
         self.encoder_stages_done = 0
         self.draft_token_ids: list[int] = []  # this step's speculative drafts, to verify
         self.grammar: Any = None  # an llguidance.LLMatcher: what the output may be next
-        self.thinking = False
+        gate = params.reasoning
+        self.thinking = gate is not None and gate.open
+        self.num_thinking_tokens = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -10,7 +10,7 @@ message is the answer's start, which the model continues (a prefill). ``tools`` 
 as in chat (`heron.server.tools`), ``output_config.format`` holds the answer to a JSON
 schema, ``thinking`` reaches the template as ``enable_thinking`` (and
 ``output_config.effort`` as ``reasoning_effort``), and with a reasoning parser the thinking
-comes back as a ``thinking`` block. The answer is its blocks (thinking, text, then the
+comes back as a ``thinking`` block, capped at ``thinking.budget_tokens``. The answer is its blocks (thinking, text, then the
 calls), with ``stop_reason`` ``end_turn``, ``max_tokens``, ``stop_sequence`` (naming it) or
 ``tool_use``; a stream sends Anthropic's events: text and thinking as they come, a named
 call's input as the model writes it (``input_json_delta`` pieces, as chat streams its
@@ -66,7 +66,9 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     params = sampling_params(app, fields, max_tokens=req.max_tokens, logprobs=None, tools=tools,
                              structured=None if fmt is None else StructuredOutput(
                                  json=fmt.schema, param="output_config.format.schema"))
-    thinking = plan_thinking(app[REASONING], prompt_ids, params)
+    parser = app[REASONING]
+    budget = req.thinking.budget_tokens if req.thinking is not None and parser is not None else None
+    thinking = plan_thinking(parser, prompt_ids, params, budget)
     async with Generation(request, "msg", [prompt_ids], params, None, adapter=adapter) as gen:
         if req.stream:
             return await _stream(request, gen, tools, thinking)

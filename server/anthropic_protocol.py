@@ -89,8 +89,9 @@ class ToolChoice(_In, kw_only=True):
 
 
 class ThinkingConfig(_In, kw_only=True):
-    """To the chat template as ``enable_thinking`` (Qwen3's reads it); the budget is not
-    enforced apart from ``max_tokens``."""
+    """To the chat template as ``enable_thinking`` (Qwen3's reads it). With a reasoning
+    parser, ``budget_tokens`` caps the thinking's tokens (chat's ``thinking_token_budget``);
+    without one the server cannot tell the thinking apart, and the cap is ``max_tokens``."""
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Annotated[int, Meta(ge=1)] | None = None

@@ -65,7 +65,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                              tools=tools)
     check_beams(app, params)
     reasoning = app[REASONING]
-    thinking = plan_thinking(reasoning, prompt_ids, params)
+    thinking = plan_thinking(reasoning, prompt_ids, params, req.thinking_token_budget)
     async with Generation(request, "chatcmpl", [prompt_ids], params, req.cache_salt,
                           adapter=adapter) as gen:
         if req.stream:

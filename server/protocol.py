@@ -287,6 +287,8 @@ class ChatCompletionRequest(BeamSearchFields, kw_only=True):
     echo: bool = False
     # to the chat template as `reasoning_effort` (gpt-oss's reads it; most ignore it)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # vLLM's: at most this many tokens of thinking, then </think> (needs a reasoning parser)
+    thinking_token_budget: NonNegInt | None = None
     # accepted and ignored
     verbosity: Literal["low", "medium", "high"] | None = None
     prompt_cache_key: str | None = None  # the prefix cache needs no key

@@ -4,7 +4,8 @@ Models such as DeepSeek-R1 and Qwen3 think between ``<think>`` and ``</think>`` 
 answer. With a parser, a chat answer's thinking comes back as the message's ``reasoning``
 (vLLM's field; ``delta.reasoning`` in a stream) and the rest as its ``content``, where tool
 calls are looked for; a structured output or a tool call's grammar holds only the answer
-(`heron.core.sampling_params.ReasoningGate`).
+(`heron.core.sampling_params.ReasoningGate`), and a request's ``thinking_token_budget``
+(Anthropic's ``thinking.budget_tokens``) caps the thinking's tokens (`heron.core.thinking`).
 
 Where an output starts is read off the end of its prompt, which the chat template wrote:
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 from heron.core.config import ConfigError
 from heron.core.sampling_params import ReasoningGate, SamplingParams
 from heron.core.tokenizer import Tokenizer
+from heron.server.errors import bad_request
 from heron.server.markers import marker_prefix
 
 __all__ = ["ReasoningParser", "ReasoningSplit", "plan_thinking", "reasoning_parser"]
@@ -44,13 +46,18 @@ def reasoning_parser(name: str, tokenizer: Tokenizer | None) -> ReasoningParser 
 
 
 def plan_thinking(parser: ReasoningParser | None, prompt_ids: list[int],
-                  params: SamplingParams) -> bool | None:
+                  params: SamplingParams, budget: int | None = None) -> bool | None:
     """Whether the outputs of ``prompt_ids`` start in their thinking (`ReasoningParser.thinking`;
-    None also without a parser); a grammar in ``params`` is set to wait for the thinking's
-    end."""
+    None also without a parser). ``params`` gets the thinking's markers (a grammar waits
+    for its end) and ``budget``, the request's ``thinking_token_budget``: a 400 without a
+    parser, nothing to cap when the prompt turned thinking off."""
+    if budget is not None and parser is None:
+        raise bad_request("`thinking_token_budget` needs a reasoning model: this server has "
+                          "no server.reasoning_parser", param="thinking_token_budget")
     thinking = parser.thinking(prompt_ids) if parser is not None else None
-    if thinking is not None and params.structured_outputs is not None:
-        params.structured_outputs.reasoning = parser.gate(thinking)
+    if thinking is not None:
+        params.reasoning = parser.gate(thinking)
+        params.thinking_token_budget = budget
     return thinking
 
 

@@ -109,6 +109,15 @@ def test_stop_sequences_name_the_one_met(client):
     assert out.content[0].text == text[:text.index(stop)]
 
 
+def test_a_thinking_budget_without_a_reasoning_parser_is_accepted(client):
+    """Clients send ``budget_tokens`` with every ``thinking``; a server that cannot tell the
+    thinking apart (no reasoning parser) answers as without it (this template ignores
+    ``enable_thinking``)."""
+    out = create(client, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert [b.type for b in out.content] == ["text"]
+    assert out.content[0].text == create(client).content[0].text
+
+
 def test_output_config_format_holds_the_answer_to_a_schema(client):
     out = create(client, max_tokens=60, output_config={
         "format": {"type": "json_schema", "schema": SCHEMAS["get_time"]}})

@@ -73,6 +73,8 @@ MALFORMED = [
      "stream_options"),
     # out of range
     ("POST", CMPL, cmpl(max_tokens=-1), 400, "max_tokens"),
+    ("POST", CHAT, chat(thinking_token_budget=-1), 400, "thinking_token_budget"),
+    ("POST", CHAT, chat(thinking_token_budget=4), 400, "thinking_token_budget"),  # no parser
     ("POST", CMPL, cmpl(max_tokens=0), 400, "max_tokens"),
     ("POST", CMPL, cmpl(temperature=-0.5), 400, "temperature"),
     ("POST", CMPL, cmpl(temperature=3), 400, "temperature"),

@@ -10,6 +10,7 @@ import json
 
 import anthropic
 import jsonschema
+import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -78,14 +79,17 @@ class Oracle:
                                                   add_generation_prompt=True,
                                                   **(kwargs or {}))["input_ids"]
 
-    def greedy(self, prompt: list[int], bias: float) -> list[int]:
+    def greedy(self, prompt: list[int], bias: float, budget: int | None = None) -> list[int]:
+        """Greedy tokens of a prompt that opened the thinking; with a ``budget``, </think>
+        once the thinking holds that many tokens."""
         tokens = []
         with torch.no_grad():
             out = self.model(torch.tensor([prompt]), use_cache=True)
             while len(tokens) < MAX_TOKENS:
                 logits = out.logits[0, -1].float()
                 logits[self.end] += bias
-                tokens.append(int(logits.argmax()))
+                spent = budget is not None and len(tokens) >= budget and self.end not in tokens
+                tokens.append(self.end if spent else int(logits.argmax()))
                 if tokens[-1] == self.tokenizer.eos_token_id:
                     break
                 out = self.model(torch.tensor([tokens[-1:]]),
@@ -96,8 +100,9 @@ class Oracle:
         tokens = self.greedy(prompt, bias)
         return tokens.index(self.end) if self.end in tokens else -1
 
-    def text(self, prompt) -> str:
-        return self.tokenizer.decode(self.greedy(prompt, self.bias), skip_special_tokens=True)
+    def text(self, prompt, budget: int | None = None) -> str:
+        return self.tokenizer.decode(self.greedy(prompt, self.bias, budget),
+                                     skip_special_tokens=True)
 
 
 def serve(model_dir, parser: str):
@@ -150,6 +155,32 @@ def test_the_thinking_and_the_answer_split_where_the_model_ends_its_thinking(r1,
     assert (s_reasoning, s_content) == (reasoning, content)
     assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == thinking_tokens
     assert order.index("content") > max(i for i, k in enumerate(order) if k == "reasoning")
+
+
+def test_a_thinking_token_budget_ends_the_thinking(r1, oracle):
+    """vLLM's `thinking_token_budget`: </think> once the thinking holds that many tokens,
+    then the answer; a budget the thinking does not reach changes nothing, and a prompt
+    that turned thinking off has none to cap."""
+    prompt = oracle.prompt(ASK, OPEN)
+    natural = oracle.greedy(prompt, oracle.bias).index(oracle.end)
+    for budget in (0, 2, natural - 1, natural):
+        reasoning, marker, content = oracle.text(prompt, budget).partition("</think>")
+        assert marker and content
+        extra = {"thinking_token_budget": budget}
+        out = chat(r1, oracle, OPEN, extra_body={"chat_template_kwargs": OPEN, **extra})
+        message = out.choices[0].message
+        assert (message.reasoning, message.content) == (reasoning or None, content), budget
+        assert out.usage.completion_tokens_details.reasoning_tokens == min(budget, natural) + 1
+        chunks = chat(r1, oracle, OPEN, stream=True,
+                      extra_body={"chat_template_kwargs": OPEN, **extra})
+        assert streamed(chunks)[:2] == (reasoning, content), budget
+    assert oracle.text(prompt, natural) == oracle.text(prompt)
+    off = chat(r1, oracle, OFF, extra_body={"chat_template_kwargs": OFF,
+                                            "thinking_token_budget": 0}).choices[0].message
+    assert (off.reasoning, off.content) == (None, oracle.text(oracle.prompt(ASK, OFF)))
+    with pytest.raises(openai.BadRequestError, match="not supported with beam search"):
+        chat(r1, oracle, OPEN, n=2, extra_body={"thinking_token_budget": 2,
+                                                "use_beam_search": True})
 
 
 def test_a_prompt_that_closes_the_thinking_gets_all_content(r1, oracle):
@@ -268,3 +299,14 @@ def test_anthropic_messages_give_the_thinking_its_own_block(model_dir, oracle):
         assert [(b.type, getattr(b, "thinking", None), getattr(b, "text", None))
                 for b in final.content] == [("thinking", thought, None),
                                             ("text", None, answer.strip())]
+        # `budget_tokens` caps the thinking as chat's `thinking_token_budget` does
+        natural = oracle.greedy(oracle.prompt(ASK, OPEN), 0.0).index(oracle.end)
+        assert natural >= 2
+        thought, _, answer = oracle.tokenizer.decode(
+            oracle.greedy(oracle.prompt(ASK, OPEN), 0.0, natural - 1),
+            skip_special_tokens=True).partition("</think>")
+        out = client.messages.create(**args, thinking={"type": "enabled",
+                                                       "budget_tokens": natural - 1})
+        assert [(b.type, getattr(b, "thinking", None), getattr(b, "text", None))
+                for b in out.content] == [("thinking", thought, None),
+                                          ("text", None, answer.strip())]

@@ -8,7 +8,6 @@ import json
 import re
 
 import jsonschema
-import msgspec
 import pytest
 import torch
 from llguidance import LLMatcher, LLTokenizer
@@ -75,10 +74,11 @@ def guided(kind: str, **kw) -> SamplingParams:
                              "structured_outputs": SPECS[kind], **kw})
 
 
-def hf_guided_greedy(model, path, prompt_ids: list[int], spec: StructuredOutput) -> list[int]:
+def hf_guided_greedy(model, path, prompt_ids: list[int], spec: StructuredOutput,
+                     gate: ReasoningGate | None = None) -> list[int]:
     """transformers' forward with its KV cache; each step's logits masked by llguidance's
-    byte mask, argmax, until the grammar is complete (or EOS in a free thinking). With
-    ``spec.reasoning``, the mask waits for the thinking's end, and the first token may
+    byte mask, argmax, until the grammar is complete (or EOS in a free thinking). With a
+    reasoning ``gate``, the mask waits for the thinking's end, and the first token may
     also be the thinking's start."""
     vocab = model.config.vocab_size
     tokenizer = LLTokenizer((path / "tokenizer.json").read_text(), n_vocab=vocab, eos_token=[2])
@@ -90,7 +90,6 @@ def hf_guided_greedy(model, path, prompt_ids: list[int], spec: StructuredOutput)
     else:
         grammar = LLMatcher.grammar_from_lark(spec.grammar)
     matcher = LLMatcher(tokenizer, grammar, log_level=0)
-    gate = spec.reasoning
     thinking = gate is not None and gate.open
     tokens = []
     with torch.no_grad():
@@ -245,11 +244,10 @@ def test_thinking_is_free_and_the_answer_is_held_to_the_grammar(tiny):
     cases = [(ReasoningGate(start_token_id=unlikely, end_token_id=end, open=True), thought),
              (ReasoningGate(start_token_id=free[0], end_token_id=end), thought),
              (ReasoningGate(start_token_id=unlikely, end_token_id=end), [])]
-    specs = [msgspec.structs.replace(SPECS["json"], reasoning=gate) for gate, _ in cases]
-    outs = engine.generate([prompt] * 3, [guided("json", structured_outputs=s) for s in specs])
-    for (gate, thinking), spec, out in zip(cases, specs, outs):
+    outs = engine.generate([prompt] * 3, [guided("json", reasoning=gate) for gate, _ in cases])
+    for (gate, thinking), out in zip(cases, outs):
         tokens = out.outputs[0].token_ids
-        assert tokens == hf_guided_greedy(model, path, prompt, spec)
+        assert tokens == hf_guided_greedy(model, path, prompt, SPECS["json"], gate)
         assert tokens[:len(thinking)] == thinking
         check("json", engine.tokenizer.decode(tokens[len(thinking):]))
         assert out.outputs[0].finish_reason == "stop"
