@@ -90,7 +90,9 @@ def _write(path, arch, tensors, *, meta=None):
     for key, value in (meta or {}).items():
         getattr(writer, {int: "add_uint32", float: "add_float32", str: "add_string"}[type(value)])(key, value)
     for name, (array, qtype) in tensors.items():
-        if qtype in (Q.F32, Q.F16):
+        if array.dtype == np.uint8:  # blocks already
+            writer.add_tensor(name, array, raw_dtype=qtype)
+        elif qtype in (Q.F32, Q.F16):
             writer.add_tensor(name, array.astype(np.float32 if qtype == Q.F32 else np.float16))
         else:
             writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)

@@ -4,6 +4,8 @@ with and without it."""
 
 from __future__ import annotations
 
+import functools
+
 import gguf
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ from heron.plugins.transformer.gguf_loader import load_gguf
 from tests.kernel_utils import vector_widths
 from tests.test_gguf import TINY, _random_blocks, _tiny_tensors, _write, tiny_meta
 
-KEPT = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+KEPT = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None,
                                 reason="no C++ compiler to build the quantized kernel")
@@ -35,6 +37,12 @@ def random_weight(qtype, rows, cols, seed=0) -> QuantizedWeight:
     return QuantizedWeight(torch.from_numpy(raw), int(qtype), cols)
 
 
+def whole_blocks(qtype, width: int) -> int:
+    """``width`` rounded up to whole blocks of ``qtype`` (32 values, a K-quant's 256)."""
+    values = quantized.QUANT_TYPES[qtype].values
+    return -(-width // values) * values
+
+
 def gguf_values(w: QuantizedWeight) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(w.blocks.numpy(), Q(w.qtype)).astype(np.float32))
 
@@ -46,14 +54,38 @@ def test_the_kernel_reads_gguf_values_exactly(qtype, path, monkeypatch):
     bit for bit gguf's dequantization (scales, offsets, nibble order, signs), through the
     kernel's tiles, its one-row path and its dequantized weight (many rows)."""
     monkeypatch.setattr(quantized, "DEQUANTIZED_ROWS", 10**9 if path == "tiles" else 1)
-    w = random_weight(qtype, 37, 96)
+    assert_reads_gguf_values(qtype)
+
+
+def assert_reads_gguf_values(qtype):
+    width = whole_blocks(qtype, 96)
+    w = random_weight(qtype, 37, width)
     expected = gguf_values(w)
     assert torch.isfinite(expected).all() and (expected != 0).any()
-    picked = quantized_linear(torch.eye(96), w)
+    picked = quantized_linear(torch.eye(width), w)
     assert torch.equal(picked.T, expected)
-    for j in range(0, 96, 7):  # one row at a time: a decode step's path
-        assert torch.equal(quantized_linear(torch.eye(96)[j:j + 1], w)[0], expected[:, j])
+    for j in range(0, width, 7):  # one row at a time: a decode step's path
+        assert torch.equal(quantized_linear(torch.eye(width)[j:j + 1], w)[0], expected[:, j])
     assert torch.equal(w.dequantize(), expected)
+
+
+@pytest.fixture
+def without_avx2(monkeypatch):
+    """The kernel built without AVX2 and FMA (its plain C++, for CPUs without them), whatever
+    this machine's."""
+    monkeypatch.setattr(cpu_kernels, "FLAGS",
+                        (*cpu_kernels.FLAGS, "-mno-avx512f", "-mno-avx2", "-mno-fma"))
+    monkeypatch.setattr(cpu_kernels, "_LIBRARIES", {})
+    monkeypatch.setattr(quantized, "_kernel", functools.cache(quantized._kernel.__wrapped__))
+
+
+@pytest.mark.parametrize("qtype", KEPT, ids=lambda q: q.name)
+def test_the_kernel_without_avx2(qtype, without_avx2, monkeypatch):
+    """The plain C++ reads gguf's values exactly (through its tiles) and multiplies int8
+    rows as the AVX2 code does."""
+    monkeypatch.setattr(quantized, "DEQUANTIZED_ROWS", 10**9)
+    assert_reads_gguf_values(qtype)
+    test_int8_activations_are_their_integer_products(qtype, 5, 13, 544, monkeypatch)
 
 
 vector_width = vector_widths(quantized, "_kernel")
@@ -68,6 +100,7 @@ def test_the_kernel_is_a_float32_matmul(qtype, rows, out, width, vector_width):
     thread and several (the larger shapes), over rows and columns that fill no whole tile;
     the input rows strided (a slice of wider rows). From `DEQUANTIZED_ROWS` rows on, the
     dequantized weight's product."""
+    width = whole_blocks(qtype, width)
     w = random_weight(qtype, out, width, seed=rows * out)
     wide = torch.randn(rows, width + 40, generator=torch.Generator().manual_seed(out))
     x = wide[:, 20:20 + width]
@@ -91,11 +124,14 @@ def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("qtype", KEPT, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows,out,width", [(1, 1, 32), (1, 576, 576), (3, 5, 64),
                                             (4, 7, 96), (9, 130, 256), (16, 47, 192)])
-def test_int8_activations_are_their_integer_products(qtype, rows, out, width):
-    """``int8_activations`` up to `INT8_ROWS` rows: each block of x rounded to int8 with its
-    scale (a block of zeros among them), then multiplied with gguf's values: a float64
-    product of those rounded rows, within float32 summation error; and within the
-    rounding's ~0.5% of the exact product."""
+def test_int8_activations_are_their_integer_products(qtype, rows, out, width, monkeypatch):
+    """``int8_activations`` up to the type's `int8_rows` (16 here for all): each block of x
+    rounded to int8 with its scale (a block of zeros among them), then multiplied with
+    gguf's values: a float64 product of those rounded rows, within float32 summation error;
+    and within the rounding's ~0.5% of the exact product."""
+    monkeypatch.setitem(quantized.QUANT_TYPES, qtype,
+                        quantized.QUANT_TYPES[qtype]._replace(int8_rows=16))
+    width = whole_blocks(qtype, width)
     w = random_weight(qtype, out, width, seed=rows + out)
     w.int8_activations = True
     wide = torch.randn(rows, width + 40, generator=torch.Generator().manual_seed(out))
@@ -111,8 +147,9 @@ def test_int8_activations_are_their_integer_products(qtype, rows, out, width):
     assert ((y - expected).abs() <= bound).all()
     exact = x.double() @ values.T
     assert (y - exact).norm() <= 0.02 * exact.norm()
-    # past INT8_ROWS rows, the float32 kernel's product
-    more = torch.randn(quantized.INT8_ROWS + 1, width, generator=torch.Generator().manual_seed(1))
+    # past them, the float32 kernel's product
+    more = torch.randn(quantized.QUANT_TYPES[qtype].int8_rows + 1, width,
+                       generator=torch.Generator().manual_seed(1))
     plain = QuantizedWeight(w.blocks, w.qtype, w.in_features)
     assert torch.equal(quantized_linear(more, w), quantized_linear(more, plain))
 
@@ -149,33 +186,61 @@ def test_a_quantized_weight_moves_and_fuses():
     assert isinstance(moved, torch.Tensor) and torch.equal(moved, gguf_values(a).bfloat16())
     with pytest.raises(ValueError, match="do not hold rows of 96"):
         QuantizedWeight(a.blocks, int(Q.Q8_0), 96)
-    with pytest.raises(ValueError, match="ggml type 12"):
-        QuantizedWeight(a.blocks, int(Q.Q4_K), 64)
+    with pytest.raises(ValueError, match="ggml type 10"):
+        QuantizedWeight(a.blocks, int(Q.Q2_K), 64)
+    with pytest.raises(ValueError, match="Q4_K blocks of shape"):  # 256 values a block
+        QuantizedWeight(random_weight(Q.Q4_K, 4, 256).blocks, int(Q.Q4_K), 128)
 
 
 # -- loading ----------------------------------------------------------------------------------
 
-def _tiny_gguf(tmp_path, arch, uniform=False):
-    """A tiny ``arch`` GGUF (test_gguf's mix of types per projection; ``uniform``: one kept
-    type per layer, so q/k/v and gate/up fuse quantized)."""
+K_SCALE = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # each block's fp16 d (and dmin)
+
+
+def _k_blocks(rng, rows, cols, qtype):
+    """Random ``qtype`` blocks whose fp16 d (and dmin) are 1e-4: values of at most ~0.1, as a
+    trained 256-wide projection's (gguf-py cannot quantize K-quants)."""
+    raw = _random_blocks(rng, rows, cols, qtype)
+    blocks = raw.reshape(rows, -1, quantized.QUANT_TYPES[qtype].bytes)
+    for offset in K_SCALE[qtype]:
+        blocks[..., offset:offset + 2] = np.frombuffer(np.float16(1e-4).tobytes(), np.uint8)
+    return raw
+
+
+def _tiny_gguf(tmp_path, arch, types="mixed"):
+    """A tiny ``arch`` GGUF: ``mixed``, test_gguf's mix of types per projection; ``fused``,
+    Q4_1 or Q8_0 for all of a layer's, so q/k/v and gate/up fuse quantized; ``k``, as a
+    Q4_K_M file: Q4_K (layer 0) or Q5_K (layer 1) where rows are whole 256-value blocks,
+    ffn_down Q8_0, the embeddings and LM head Q6_K."""
     rng = np.random.default_rng(4)
     tensors = _tiny_tensors(arch, rng, with_output=arch != "qwen3")
     for name, (array, qtype) in list(tensors.items()):
-        if name.startswith("blk.") and array.ndim == 2:
+        if array.ndim != 2:
+            continue
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else None
+        if layer is not None:
             # scaled as trained weights are, so activations stay in range layer to layer
             array = array / np.sqrt(array.shape[1])
-            tensors[name] = (array, KEPT[int(name.split(".")[1]) % 2 + 1] if uniform else qtype)
+            if types == "fused":
+                qtype = (Q.Q4_1, Q.Q8_0)[layer % 2]
+        if types == "k":
+            qtype = (Q.Q6_K if layer is None else Q.Q8_0 if array.shape[1] % 256
+                     else (Q.Q4_K, Q.Q5_K)[layer])
+            if qtype != Q.Q8_0:
+                array = _k_blocks(rng, *array.shape, qtype)
+        tensors[name] = (array, qtype)
     path = tmp_path / f"tiny-{arch}.gguf"
     _write(path, arch, tensors, meta=tiny_meta(arch))
     return path, {name: qtype for name, (_, qtype) in tensors.items()}
 
 
+@pytest.mark.parametrize("types", ["mixed", "k"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_the_loader_keeps_what_it_can_multiply(tmp_path, arch):
-    """Q4_0 / Q4_1 / Q8_0 projections and the LM head (the embeddings' blocks when tied) stay
+def test_the_loader_keeps_what_it_can_multiply(tmp_path, arch, types):
+    """Projections of the kept types and the LM head (the embeddings' blocks when tied) stay
     quantized, with the dequantizing load's values (llama's permuted q/k rows included);
     everything else is the dequantizing load's tensor."""
-    path, types = _tiny_gguf(tmp_path, arch)
+    path, types = _tiny_gguf(tmp_path, arch, types)
     _, dense, _ = load_gguf(path)
     _, kept, _ = load_gguf(path, keep_quantized=True)
     tied = arch == "qwen3"
@@ -192,15 +257,15 @@ def test_the_loader_keeps_what_it_can_multiply(tmp_path, arch):
     assert not isinstance(kept["model.embed_tokens.weight"], QuantizedWeight)
 
 
-@pytest.mark.parametrize("uniform", [False, True], ids=["mixed", "fused"])
-def test_an_engine_with_kept_weights(tmp_path, uniform):
+@pytest.mark.parametrize("types", ["mixed", "fused", "k"])
+def test_an_engine_with_kept_weights(tmp_path, types):
     """A tiny llama GGUF served greedily both ways (chunked prefills beside decodes): the
     runner holds quantized weights, fused where the types agree, and its logits are the
     dequantized model's to float32 rounding, its tokens the same."""
     from heron.core.sampling_params import SamplingParams
     from tests.engine_utils import LogitsRecorder, assert_no_leaks, make_engine
 
-    path, _ = _tiny_gguf(tmp_path, "llama", uniform)
+    path, _ = _tiny_gguf(tmp_path, "llama", types)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, TINY["vocab"], (n,), generator=g).tolist() for n in (5, 40, 12)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -219,7 +284,7 @@ def test_an_engine_with_kept_weights(tmp_path, uniform):
     weights, tokens, rows = run(True)
     kinds = [isinstance(w, QuantizedWeight) for w in weights]
     # mixed: layer 0 has Q8_0 q, Q4_1 k, F16 v, BF16 o, F32 gate, Q8_0 up, Q4_1 down
-    assert kinds == ([True] * 5 if uniform else [False, False, False, True, True])
+    assert kinds == ([False, False, False, True, True] if types == "mixed" else [True] * 5)
     dense_weights, ref_tokens, ref_rows = run(False)
     assert not any(isinstance(w, QuantizedWeight) for w in dense_weights)
     assert tokens == ref_tokens and rows.keys() == ref_rows.keys()
@@ -239,7 +304,7 @@ def test_not_kept_in_bfloat16(tmp_path):
     """Where rows are not float32 the loader dequantizes everything, as without the key."""
     from tests.engine_utils import make_engine
 
-    path, _ = _tiny_gguf(tmp_path, "llama", uniform=True)
+    path, _ = _tiny_gguf(tmp_path, "llama", "fused")
     engine = make_engine(path, **{"model.keep_quantized": True, "model.dtype": "bfloat16"})
     layer = engine.runner.model.layers[0]
     assert layer.attn.qkv.dtype == torch.bfloat16

@@ -1,4 +1,5 @@
-"""Projection weights kept in a GGUF file's quantized blocks (Q4_0, Q4_1, Q8_0) on the CPU.
+"""Projection weights kept in a GGUF file's quantized blocks on the CPU: Q4_0, Q4_1, Q8_0 and
+the K-quants Q4_K, Q5_K, Q6_K (those of Q4_K_M and Q5_K_M files).
 
 A decode step reads every weight once, and on the CPU that read sets its speed: a Q4_1
 weight is 0.625 bytes a value, float32's 4. `QuantizedWeight` holds the blocks as they lie in
@@ -7,9 +8,9 @@ the file and `quantized_linear` multiplies float32 rows with them through a comp
 exactly gguf's values, so a result differs from the float32 matmul of the dequantized weight
 only in the order of its sums.
 
-With ``int8_activations`` a batch of at most `INT8_ROWS` rows (a decode step) is quantized
-as the weights are, each block of 32 values to int8 with a float32 scale, and the
-kernel multiplies the blocks in integers (``heron_quant_linear_int8``): several times
+With ``int8_activations`` a batch of a few rows (a decode step; `QuantType.int8_rows`) is
+quantized as the weights are, each block of 32 values to int8 with a float32 scale, and
+the kernel multiplies the blocks in integers (``heron_quant_linear_int8``): several times
 faster, but x is rounded to 8 bits a value (about 0.5% relative error a product).
 
 A `QuantizedWeight` stands in for a ``[out, in]`` float32 weight where the model's code
@@ -23,6 +24,7 @@ import ctypes
 import functools
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,21 +36,33 @@ from heron.core import cpu_kernels
 #: rows of SmolLM2's projections the tiles took 1.2-1.4x its time, at 1024 1.4x (the
 #: dequantization costs about 2% of it there).
 DEQUANTIZED_ROWS = 64
-#: Up to this many rows, a weight with ``int8_activations`` multiplies in integers: SmolLM2's
-#: 1536 x 576 Q4_1 projection took 54 us against the float32 kernel's 84 at 1 row, 105
-#: against 177 at 4, 382 against 437 at 16, and about as long from 32 rows on (2 AVX2 cores).
-INT8_ROWS = 16
 
-# ggml type number -> (name, bytes per block of 32 values)
-QUANT_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
-BLOCK = 32
+
+class QuantType(NamedTuple):
+    name: str
+    values: int  # a block's
+    bytes: int  # a block's
+    #: Up to this many rows, a weight with ``int8_activations`` multiplies in integers.
+    #: SmolLM2's 1536 x 576 Q4_1 projection took 54 us against the float32 kernel's 84 at 1
+    #: row, 105 against 177 at 4, 382 against 437 at 16, and about as long from 32 rows on
+    #: (2 AVX2 cores). A K-quant unpacks each sub-block's 6-bit scales again for every 4 rows:
+    #: a 2048 x 2048 Q4_K weight took about 200 us against 290 at 1 row, 430 against 640 at
+    #: 4, as long at 8 and 1.3x longer at 16.
+    int8_rows: int
+
+
+# by ggml type number
+QUANT_TYPES = {2: QuantType("Q4_0", 32, 18, 16), 3: QuantType("Q4_1", 32, 20, 16),
+               8: QuantType("Q8_0", 32, 34, 16), 12: QuantType("Q4_K", 256, 144, 4),
+               13: QuantType("Q5_K", 256, 176, 4), 14: QuantType("Q6_K", 256, 210, 4)}
 
 
 @dataclass(eq=False)
 class QuantizedWeight:
-    """A ``[out, in]`` weight as ``blocks``: uint8 ``[out, in / 32 * block bytes]``, each row
-    its values' blocks of ggml type ``qtype`` in order; ``int8_activations``: small batches
-    multiply it with their values rounded to int8 (see above)."""
+    """A ``[out, in]`` weight as ``blocks``: uint8 ``[out, in / values * bytes]`` (a block's,
+    `QuantType`), each row its values' blocks of ggml type ``qtype`` in order;
+    ``int8_activations``: small batches multiply it with their values rounded to int8 (see
+    above)."""
 
     blocks: torch.Tensor
     qtype: int
@@ -58,11 +72,11 @@ class QuantizedWeight:
     def __post_init__(self) -> None:
         if self.qtype not in QUANT_TYPES:
             raise ValueError(f"ggml type {self.qtype} is not a kept quantization type")
-        name, size = QUANT_TYPES[self.qtype]
+        t = QUANT_TYPES[self.qtype]
         if (self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2
-                or self.in_features % BLOCK
-                or self.blocks.shape[1] != self.in_features // BLOCK * size):
-            raise ValueError(f"{name} blocks of shape {tuple(self.blocks.shape)} do not hold "
+                or self.in_features % t.values
+                or self.blocks.shape[1] != self.in_features // t.values * t.bytes):
+            raise ValueError(f"{t.name} blocks of shape {tuple(self.blocks.shape)} do not hold "
                              f"rows of {self.in_features} values")
 
     @property
@@ -137,7 +151,8 @@ def quantized_linear(x: torch.Tensor, w: QuantizedWeight,
     y = torch.empty(num_rows, out_features)
     if num_rows:
         kernel = (lib.heron_quant_linear_int8
-                  if w.int8_activations and num_rows <= INT8_ROWS else lib.heron_quant_linear)
+                  if w.int8_activations and num_rows <= QUANT_TYPES[w.qtype].int8_rows
+                  else lib.heron_quant_linear)
         kernel(rows.data_ptr(), rows.stride(0), w.blocks.data_ptr(), y.data_ptr(),
                out_features, num_rows, out_features, width)
     if bias is not None:

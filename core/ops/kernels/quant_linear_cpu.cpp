@@ -4,14 +4,14 @@
 // Reading a decode step's weights sets its speed: a Q4_1 weight is 0.625 bytes a value
 // against float32's 4. Each task dequantizes a tile of NT weight rows into a small float32
 // buffer (exactly gguf's values: d * q is exact in float32, so fused or not, d * q + m
-// rounds once, as numpy's two ops do) and multiplies it with a block of rows of x, so the
+// rounds once, as numpy's ops do) and multiplies it with a block of rows of x, so the
 // result differs from a float32 matmul of the dequantized weight only in summation order.
 // A single row of x (with AVX2) multiplies each block in registers instead.
 //
-// QTYPE: 2 Q4_0 (fp16 d, 16 bytes of nibbles: d * (q - 8)), 3 Q4_1 (fp16 d, fp16 m, nibbles:
-// d * q + m), 8 Q8_0 (fp16 d, 32 int8: d * q); ggml's type numbers. A block holds 32 values:
-// the nibbles' low halves are values 0-15, their high halves 16-31. K is a multiple of 32.
-// x rows are x_stride floats apart, y rows y_stride; w's rows are K / 32 blocks, contiguous.
+// QTYPE, ggml's type numbers: 2 Q4_0, 3 Q4_1, 8 Q8_0 (blocks of 32 values), 12 Q4_K, 13 Q5_K,
+// 14 Q6_K (blocks of 256: 8 sub-blocks of 32, each with its own scales; see sub_scales and
+// sub_value). K is a multiple of the block. x rows are x_stride floats apart, y rows
+// y_stride; w's rows are K / BLOCK_VALUES blocks, contiguous.
 
 #include <algorithm>
 #include <cmath>
@@ -40,72 +40,150 @@ inline float half_to_float(const uint8_t *p)
     return (float)h;
 }
 
-#if QTYPE != 2 && QTYPE != 3 && QTYPE != 8
-#error "QTYPE must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)"
+#if QTYPE == 2 || QTYPE == 3 || QTYPE == 8
+#define K_QUANTS 0
+constexpr int64_t BLOCK_VALUES = 32;
+#elif QTYPE == 12 || QTYPE == 13 || QTYPE == 14
+#define K_QUANTS 1
+constexpr int64_t BLOCK_VALUES = 256;
+#else
+#error "QTYPE must be 2 (Q4_0), 3 (Q4_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K)"
 #endif
-// a block: fp16 d, then (Q4_1) fp16 m, then the quantized bytes
-constexpr int64_t BLOCK_BYTES = QTYPE == 2 ? 18 : QTYPE == 3 ? 20 : 34;
-constexpr int64_t HEADER_BYTES = QTYPE == 3 ? 4 : 2;  // the fp16 d (and m) before the bytes
-constexpr bool NIBBLES = QTYPE != 8, SIGNED = QTYPE == 8;
+constexpr int SUBS = BLOCK_VALUES / 32;  // a block's sub-blocks of 32 values
+constexpr int64_t BLOCK_BYTES = QTYPE == 2 ? 18 : QTYPE == 3 ? 20 : QTYPE == 8 ? 34
+                              : QTYPE == 12 ? 144 : QTYPE == 13 ? 176 : 210;
+constexpr bool SIGNED = QTYPE == 8 || QTYPE == 14;  // int8 values (Q6_K's are q - 32)
 
-// block b's quantized bytes, and d and m of its values' d * q + m (Q4_0's m = -8 d: then
-// d * q + m is (q - 8) * d exactly, which a float32 holds)
-inline const uint8_t *params(const uint8_t *b, float &d, float &m)
+// Value i of sub-block j is q_i * d[i / 16] + m: Q6_K scales each 16 values apart, the
+// others all 32 alike. Q4_0's m = -8 d: then d * q + m is (q - 8) * d exactly. A K-quant's
+// d is its block's fp16 d times the sub-block's scale and m its fp16 dmin times the
+// sub-block's min, negated; both products are exact in float32, as gguf's numpy has them.
+struct SubScales {
+    float d[2], m;
+};
+
+inline SubScales sub_scales(const uint8_t *b, [[maybe_unused]] int j)
 {
-    d = half_to_float(b);
-    m = QTYPE == 3 ? half_to_float(b + 2) : QTYPE == 2 ? -8.0f * d : 0.0f;
-    return b + HEADER_BYTES;
+#if QTYPE == 2 || QTYPE == 3 || QTYPE == 8
+    const float d = half_to_float(b);
+    return {{d, d}, QTYPE == 3 ? half_to_float(b + 2) : QTYPE == 2 ? -8.0f * d : 0.0f};
+#elif QTYPE == 12 || QTYPE == 13
+    // 12 bytes of 6-bit scales and mins: sub-blocks 0-3 in the low bits of bytes 0-7,
+    // 4-7 in the nibbles of bytes 8-11 with their top bits in those of bytes 0-7
+    const uint8_t *s = b + 4;
+    const int scale = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0f) | (s[j - 4] >> 6) << 4;
+    const int min = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+    const float d = half_to_float(b) * (float)scale;
+    return {{d, d}, -(half_to_float(b + 2) * (float)min)};
+#else
+    const int8_t *s = reinterpret_cast<const int8_t *>(b + 192);
+    const float d = half_to_float(b + 208);
+    return {{d * (float)s[2 * j], d * (float)s[2 * j + 1]}, 0.0f};
+#endif
 }
 
-// value i of a block's quantized bytes q (8-bit ints; nibbles: 16 bytes whose low then high
-// halves are the values)
-inline int quantized_value(const uint8_t *q, int i)
+// Value i of sub-block j's quantized values, as an int. Q4_0, Q4_1: fp16 d (and m), then 16
+// bytes whose low halves are values 0-15, high halves 16-31; Q8_0: fp16 d, 32 int8.
+// Q4_K: fp16 d and dmin, the scales, 128 bytes: sub-blocks 2c and 2c + 1 are the low and
+// high halves of bytes 32c to 32c + 31. Q5_K: the same after 32 bytes whose bit j is
+// sub-block j's fifth bit. Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales,
+// fp16 d; q - 32 (see gguf's dequantize_blocks).
+inline int sub_value(const uint8_t *b, [[maybe_unused]] int j, int i)
 {
-    return NIBBLES ? (i < 16 ? q[i] & 0x0f : q[i - 16] >> 4)
-                   : (SIGNED ? (int)(int8_t)q[i] : (int)q[i]);
+#if QTYPE == 2 || QTYPE == 3
+    const uint8_t *q = b + (QTYPE == 3 ? 4 : 2);
+    return i < 16 ? q[i] & 0x0f : q[i - 16] >> 4;
+#elif QTYPE == 8
+    return (int8_t)b[2 + i];
+#elif QTYPE == 12 || QTYPE == 13
+    const int low = b[(QTYPE == 12 ? 16 : 48) + 32 * (j / 2) + i] >> 4 * (j % 2) & 0x0f;
+    return QTYPE == 12 ? low : low | (b[16 + i] >> j & 1) << 4;
+#else
+    const int h = j / 4, t = j % 4;
+    const int low = b[64 * h + 32 * (t % 2) + i] >> 4 * (t / 2) & 0x0f;
+    return (low | (b[128 + 32 * h + i] >> 2 * t & 3) << 4) - 32;
+#endif
 }
 
-// A block's 32 values from its bytes q as float32 d * q + m. d * q is exact in float32 (11 by 8
-// significant bits at most), so fused or not, d * q + m rounds once, as gguf's numpy does.
+// A sub-block's 32 values from a block b as float32 q * d + m. q * d is exact in float32
+// (24 significant bits at most), so fused or not, q * d + m rounds once, as gguf's numpy does.
 #if defined(__AVX2__) && defined(__FMA__)
 #define BLOCK_IN_REGISTERS 1
-// ... as four registers of 8 values, in order
-inline void dequantize(const uint8_t *b, __m256 w[4])
+// Sub-block j's quantized values as bytes: values 0-15, then 16-31 (see sub_value)
+inline void sub_bytes(const uint8_t *b, [[maybe_unused]] int j, __m128i bytes[2])
 {
-    float d, m;
-    const uint8_t *q = params(b, d, m);
-    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
-    __m128i bytes[2];
-    if (NIBBLES) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(q));
-        const __m128i low = _mm_set1_epi8(0x0f);
-        bytes[0] = _mm_and_si128(raw, low);
-        bytes[1] = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
-    } else {
-        bytes[0] = _mm_loadu_si128(reinterpret_cast<const __m128i *>(q));
-        bytes[1] = _mm_loadu_si128(reinterpret_cast<const __m128i *>(q + 16));
+    auto load = [](const uint8_t *p) {
+        return _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
+    };
+    const __m128i nibble = _mm_set1_epi8(0x0f);
+#if QTYPE == 2 || QTYPE == 3
+    const __m128i raw = load(b + (QTYPE == 3 ? 4 : 2));
+    bytes[0] = _mm_and_si128(raw, nibble);
+    bytes[1] = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+#elif QTYPE == 8
+    bytes[0] = load(b + 2);
+    bytes[1] = load(b + 18);
+#elif QTYPE == 12 || QTYPE == 13
+    // 16-bit shifts: the bits a byte takes from its neighbour fall outside the mask
+    const uint8_t *q = b + (QTYPE == 12 ? 16 : 48) + 32 * (j / 2);
+    for (int e = 0; e < 2; ++e) {
+        bytes[e] = _mm_and_si128(_mm_srl_epi16(load(q + 16 * e), _mm_cvtsi32_si128(4 * (j % 2))),
+                                 nibble);
+        if (QTYPE == 13) {
+            const __m128i fifth = _mm_and_si128(
+                _mm_srl_epi16(load(b + 16 + 16 * e), _mm_cvtsi32_si128(j)), _mm_set1_epi8(1));
+            bytes[e] = _mm_or_si128(bytes[e], _mm_slli_epi16(fifth, 4));
+        }
     }
-    for (int h = 0; h < 2; ++h)
+#else
+    const int h = j / 4, t = j % 4;
+    for (int e = 0; e < 2; ++e) {
+        const __m128i low = _mm_and_si128(
+            _mm_srl_epi16(load(b + 64 * h + 32 * (t % 2) + 16 * e), _mm_cvtsi32_si128(4 * (t / 2))),
+            nibble);
+        const __m128i high = _mm_and_si128(
+            _mm_srl_epi16(load(b + 128 + 32 * h + 16 * e), _mm_cvtsi32_si128(2 * t)),
+            _mm_set1_epi8(3));
+        bytes[e] = _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32));
+    }
+#endif
+}
+
+// ... as four registers of 8 values, in order
+inline void dequantize(const uint8_t *b, int j, __m256 w[4])
+{
+    const SubScales s = sub_scales(b, j);
+    __m128i bytes[2];
+    sub_bytes(b, j, bytes);
+    const __m256 vm = _mm256_set1_ps(s.m);
+    for (int h = 0; h < 2; ++h) {
+        const __m256 vd = _mm256_set1_ps(s.d[h]);
         for (int e = 0; e < 2; ++e) {
             const __m128i part = e ? _mm_srli_si128(bytes[h], 8) : bytes[h];
             const __m256 v = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(part)
                                                        : _mm256_cvtepu8_epi32(part));
             w[2 * h + e] = _mm256_fmadd_ps(v, vd, vm);
         }
+    }
 }
+// ... a whole block's values
 inline void dequantize(const uint8_t *b, float *w)
 {
-    __m256 r[4];
-    dequantize(b, r);
-    for (int k = 0; k < 4; ++k) _mm256_storeu_ps(w + 8 * k, r[k]);
+#pragma GCC unroll 8  // see row
+    for (int j = 0; j < SUBS; ++j) {
+        __m256 r[4];
+        dequantize(b, j, r);
+        for (int k = 0; k < 4; ++k) _mm256_storeu_ps(w + 32 * j + 8 * k, r[k]);
+    }
 }
 #else
 inline void dequantize(const uint8_t *b, float *w)
 {
-    float d, m;
-    const uint8_t *q = params(b, d, m);
-    for (int i = 0; i < 32; ++i)
-        w[i] = (float)quantized_value(q, i) * d + m;
+    for (int j = 0; j < SUBS; ++j) {
+        const SubScales s = sub_scales(b, j);
+        for (int i = 0; i < 32; ++i)
+            w[32 * j + i] = (float)sub_value(b, j, i) * s.d[i / 16] + s.m;
+    }
 }
 #endif
 
@@ -131,8 +209,8 @@ void tile(const float *x, int64_t x_stride, const float *wt, int64_t K, float *y
 }
 
 #ifdef BLOCK_IN_REGISTERS
-// One row of x by weight rows [n0, n1): a block dequantized into registers and multiplied
-// there, with no buffer to write and read back (a decode step's single row)
+// One row of x by weight rows [n0, n1): a sub-block dequantized into registers and
+// multiplied there, with no buffer to write and read back (a decode step's single row)
 void row(const float *x, const uint8_t *w, int64_t row_bytes, int64_t K, float *y, int64_t n0,
          int64_t n1)
 {
@@ -140,12 +218,15 @@ void row(const float *x, const uint8_t *w, int64_t row_bytes, int64_t K, float *
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                          _mm256_setzero_ps()};
         const uint8_t *wr = w + n * row_bytes;
-        for (int64_t b = 0; b < K / 32; ++b) {
-            __m256 v[4];
-            dequantize(wr + b * BLOCK_BYTES, v);
-            for (int k = 0; k < 4; ++k)
-                acc[k] = _mm256_fmadd_ps(v[k], _mm256_loadu_ps(x + b * 32 + 8 * k), acc[k]);
-        }
+        for (int64_t b = 0; b < K / BLOCK_VALUES; ++b)
+#pragma GCC unroll 8  // so that j is a constant: K-quants' scales and bits unpack at fixed places
+            for (int j = 0; j < SUBS; ++j) {
+                __m256 v[4];
+                dequantize(wr + b * BLOCK_BYTES, j, v);
+                const float *xb = x + b * BLOCK_VALUES + 32 * j;
+                for (int k = 0; k < 4; ++k)
+                    acc[k] = _mm256_fmadd_ps(v[k], _mm256_loadu_ps(xb + 8 * k), acc[k]);
+            }
         y[n] = sum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]),
                                   _mm256_add_ps(acc[2], acc[3])));
     }
@@ -201,14 +282,12 @@ inline void quantize_block(const float *x, int8_t *q, float &d, float &s)
         packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
-// A weight block's 32 quantized values in order: unsigned nibbles, or Q8_0's int8
-inline __m256i weight_bytes(const uint8_t *q)
+// A weight sub-block's 32 quantized values in order: unsigned, or int8 (`SIGNED`)
+inline __m256i weight_bytes(const uint8_t *b, int j)
 {
-    if (!NIBBLES)
-        return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(q));
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(q));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw),
-                            _mm256_set1_epi8(0x0f));
+    __m128i bytes[2];
+    sub_bytes(b, j, bytes);
+    return _mm256_set_m128i(bytes[1], bytes[0]);
 }
 
 // sum(w * x) over a block, as 8 int32 partial sums converted to float
@@ -248,20 +327,21 @@ QuantizedRows quantize_rows(const float *x, int64_t x_stride, int64_t M, int64_t
     return r;
 }
 
-#ifdef BLOCK_IN_REGISTERS
+#if defined(BLOCK_IN_REGISTERS) && !K_QUANTS
 // A weight block's d and c (see above) as the first two lanes of a vector, converted from
 // fp16 in one instruction (Q4_1's pair; Q8_0's d beside a zero; Q4_0's d, then times -8)
 inline __m128 weight_scales(const uint8_t *b)
 {
     uint32_t bits = 0;
-    std::memcpy(&bits, b, HEADER_BYTES);
+    std::memcpy(&bits, b, QTYPE == 3 ? 4 : 2);
     const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128((int)bits));
     return QTYPE == 2 ? _mm_mul_ps(_mm_moveldup_ps(v), _mm_setr_ps(1.0f, -8.0f, 0.0f, 0.0f))
                       : v;
 }
 #endif
 
-// y[i][n] for rows i < mt of r from row0 on, weight rows [n0, n1)
+// y[i][n] for rows i < mt of r from row0 on, weight rows [n0, n1); x's block b meets
+// sub-block j = b % SUBS of the row's weight block b / SUBS
 template <int mt>
 void rows_int8(const QuantizedRows &r, int64_t row0, const uint8_t *w, int64_t row_bytes,
                int64_t K, float *y, int64_t y_stride, int64_t n0, int64_t n1)
@@ -275,19 +355,38 @@ void rows_int8(const QuantizedRows &r, int64_t row0, const uint8_t *w, int64_t r
         __m256 acc[mt];
         __m128 c_sum[mt];  // lane 1: the sum of c * s
         for (int i = 0; i < mt; ++i) acc[i] = _mm256_setzero_ps(), c_sum[i] = _mm_setzero_ps();
-        for (int64_t b = 0; b < blocks; ++b) {
-            const uint8_t *wb = wr + b * BLOCK_BYTES;
-            const __m128 dc = weight_scales(wb);
-            const __m256i wq = weight_bytes(wb + HEADER_BYTES);
-            for (int i = 0; i < mt; ++i) {
-                const __m256i xq = _mm256_loadu_si256(
-                    reinterpret_cast<const __m256i *>(q + i * K + b * 32));
-                // {dw * d, c * s}: the block's scale and its offset term in one multiply
-                const __m128 scale = _mm_mul_ps(dc, _mm_castpd_ps(_mm_load_sd(
-                    reinterpret_cast<const double *>(ds + (i * blocks + b) * 2))));
-                acc[i] = _mm256_fmadd_ps(block_dot(wq, xq), _mm256_broadcastss_ps(scale),
-                                         acc[i]);
-                c_sum[i] = _mm_add_ps(c_sum[i], scale);
+        for (int64_t b0 = 0; b0 < blocks; b0 += SUBS) {
+            const uint8_t *wb = wr + b0 / SUBS * BLOCK_BYTES;
+#pragma GCC unroll 8  // see row
+            for (int j = 0; j < SUBS; ++j) {
+                const int64_t b = b0 + j;
+                const __m256i wq = weight_bytes(wb, j);
+#if QTYPE == 14
+                // a block's dot has values 0-15 in lanes 0-3, 16-31 in 4-7: two scales
+                const SubScales s = sub_scales(wb, j);
+                const __m256 dw = _mm256_setr_m128(_mm_set1_ps(s.d[0]), _mm_set1_ps(s.d[1]));
+                const __m128 dc = _mm_setr_ps(1.0f, 0.0f, 0.0f, 0.0f);
+#elif K_QUANTS
+                const SubScales s = sub_scales(wb, j);
+                const __m128 dc = _mm_setr_ps(s.d[0], s.m, 0.0f, 0.0f);
+#else
+                const __m128 dc = weight_scales(wb);
+#endif
+                for (int i = 0; i < mt; ++i) {
+                    const __m256i xq = _mm256_loadu_si256(
+                        reinterpret_cast<const __m256i *>(q + i * K + b * 32));
+                    // {dw * d, c * s}: the block's scale and its offset term in one multiply
+                    // (Q6_K's dw comes after, per half)
+                    const __m128 scale = _mm_mul_ps(dc, _mm_castpd_ps(_mm_load_sd(
+                        reinterpret_cast<const double *>(ds + (i * blocks + b) * 2))));
+#if QTYPE == 14
+                    const __m256 block_scale = _mm256_mul_ps(dw, _mm256_broadcastss_ps(scale));
+#else
+                    const __m256 block_scale = _mm256_broadcastss_ps(scale);
+#endif
+                    acc[i] = _mm256_fmadd_ps(block_dot(wq, xq), block_scale, acc[i]);
+                    c_sum[i] = _mm_add_ps(c_sum[i], scale);
+                }
             }
         }
         for (int i = 0; i < mt; ++i)
@@ -295,15 +394,16 @@ void rows_int8(const QuantizedRows &r, int64_t row0, const uint8_t *w, int64_t r
 #else
         float acc[mt] = {}, c_sum[mt] = {};
         for (int64_t b = 0; b < blocks; ++b) {
-            float dw, c;
-            const uint8_t *wq = params(wr + b * BLOCK_BYTES, dw, c);
+            const uint8_t *wb = wr + b / SUBS * BLOCK_BYTES;
+            const int j = b % SUBS;
+            const SubScales s = sub_scales(wb, j);
             for (int i = 0; i < mt; ++i) {
-                int dot = 0;
+                int dot[2] = {0, 0};
                 for (int k = 0; k < 32; ++k)
-                    dot += quantized_value(wq, k) * q[i * K + b * 32 + k];
+                    dot[k / 16] += sub_value(wb, j, k) * q[i * K + b * 32 + k];
                 const float *dsb = ds + (i * blocks + b) * 2;
-                acc[i] += dw * dsb[0] * (float)dot;
-                c_sum[i] += c * dsb[1];
+                acc[i] += dsb[0] * (s.d[0] * (float)dot[0] + s.d[1] * (float)dot[1]);
+                c_sum[i] += s.m * dsb[1];
             }
         }
         for (int i = 0; i < mt; ++i) y[i * y_stride + n] = acc[i] + c_sum[i];
@@ -318,7 +418,7 @@ extern "C" void heron_quant_linear_int8(const float *x, int64_t x_stride, const 
                                         float *y, int64_t y_stride, int64_t M, int64_t N,
                                         int64_t K)
 {
-    const int64_t row_bytes = K / 32 * BLOCK_BYTES;
+    const int64_t row_bytes = K / BLOCK_VALUES * BLOCK_BYTES;
     const QuantizedRows r = quantize_rows(x, x_stride, M, K);
     #pragma omp parallel for schedule(static) if (N * K >= (1 << 18))
     for (int64_t n0 = 0; n0 < N; n0 += ROWS) {
@@ -337,7 +437,7 @@ extern "C" void heron_quant_linear_int8(const float *x, int64_t x_stride, const 
 extern "C" void heron_quant_linear(const float *x, int64_t x_stride, const uint8_t *w,
                                    float *y, int64_t y_stride, int64_t M, int64_t N, int64_t K)
 {
-    const int64_t row_bytes = K / 32 * BLOCK_BYTES;
+    const int64_t row_bytes = K / BLOCK_VALUES * BLOCK_BYTES;
 #ifdef BLOCK_IN_REGISTERS
     if (M == 1) {
         #pragma omp parallel for schedule(static) if (N * K >= (1 << 18))
@@ -356,9 +456,9 @@ extern "C" void heron_quant_linear(const float *x, int64_t x_stride, const uint8
             const int64_t n0 = task % groups * NT, m0 = task / groups * MB;
             const int64_t nt = std::min(NT, N - n0), m_end = std::min(M, m0 + MB);
             for (int64_t j = 0; j < nt; ++j)
-                for (int64_t b = 0; b < K / 32; ++b)
+                for (int64_t b = 0; b < K / BLOCK_VALUES; ++b)
                     dequantize(w + (n0 + j) * row_bytes + b * BLOCK_BYTES,
-                               buf.data() + j * K + b * 32);
+                               buf.data() + j * K + b * BLOCK_VALUES);
             int64_t m = m0;
             for (; m + MT <= m_end; m += MT)
                 tile<MT>(x + m * x_stride, x_stride, buf.data(), K, y + m * y_stride + n0,
@@ -378,9 +478,9 @@ extern "C" void heron_quant_linear(const float *x, int64_t x_stride, const uint8
 // the tiles above (which keep no block of x in the first-level cache)
 extern "C" void heron_dequantize(const uint8_t *w, float *out, int64_t N, int64_t K)
 {
-    const int64_t row_bytes = K / 32 * BLOCK_BYTES;
+    const int64_t row_bytes = K / BLOCK_VALUES * BLOCK_BYTES;
     #pragma omp parallel for schedule(static) if (N * K >= (1 << 18))
     for (int64_t n = 0; n < N; ++n)
-        for (int64_t b = 0; b < K / 32; ++b)
-            dequantize(w + n * row_bytes + b * BLOCK_BYTES, out + n * K + b * 32);
+        for (int64_t b = 0; b < K / BLOCK_VALUES; ++b)
+            dequantize(w + n * row_bytes + b * BLOCK_BYTES, out + n * K + b * BLOCK_VALUES);
 }
