@@ -15,7 +15,8 @@ from gguf import GGMLQuantizationType as Q
 from heron.core import cpu_kernels
 from heron.core.ops import linear, pack_weight, quantized
 from heron.core.ops.linear import unpack_weight
-from heron.core.ops.quantized import QuantizedWeight, kernel_available, quantized_linear
+from heron.core.ops.quantized import (KeptWeight, QuantizedStack, QuantizedWeight,
+                                      kernel_available, quantized_linear)
 from heron.plugins.transformer.gguf_loader import load_gguf
 from tests.kernel_utils import vector_widths
 from tests.test_gguf import TINY, _random_blocks, _tiny_tensors, _write, tiny_meta
@@ -175,7 +176,6 @@ def test_a_quantized_weight_moves_and_fuses():
     fused = QuantizedWeight.cat([a, b])
     assert fused.shape == (10, 64) and torch.equal(fused.dequantize(),
                                                    torch.cat([gguf_values(a), gguf_values(b)]))
-    assert QuantizedWeight.cat([a, random_weight(Q.Q4_0, 4, 64)]) is None
     assert QuantizedWeight.cat([a, random_weight(Q.Q8_0, 4, 96)]) is None
     b.int8_activations = True
     assert QuantizedWeight.cat([a, b]) is None
@@ -190,6 +190,28 @@ def test_a_quantized_weight_moves_and_fuses():
         QuantizedWeight(a.blocks, int(Q.Q2_K), 64)
     with pytest.raises(ValueError, match="Q4_K blocks of shape"):  # 256 values a block
         QuantizedWeight(random_weight(Q.Q4_K, 4, 256).blocks, int(Q.Q4_K), 128)
+
+
+def test_weights_of_several_types_fuse_as_a_stack():
+    """q and k of one type beside v of another (a Q4_K_M layer): one part a run of a type,
+    multiplied part by part into the fused weight's columns."""
+    q, k, v = (random_weight(t, rows, 512, rows) for t, rows in
+               ((Q.Q4_K, 8), (Q.Q4_K, 4), (Q.Q6_K, 4)))
+    fused = QuantizedWeight.cat([q, k, v])
+    assert isinstance(fused, QuantizedStack) and fused.shape == (16, 512)
+    assert [(p.qtype, p.shape[0]) for p in fused.parts] == [(Q.Q4_K, 12), (Q.Q6_K, 4)]
+    values = torch.cat([gguf_values(q), gguf_values(k), gguf_values(v)])
+    assert torch.equal(fused.dequantize(), values) and torch.equal(unpack_weight(fused), values)
+    assert fused.to(device="cpu") is fused and pack_weight(fused) is fused
+    assert torch.equal(fused.to(dtype=torch.bfloat16), values.bfloat16())
+    bias = torch.randn(16)
+    for rows in (1, 3, quantized.DEQUANTIZED_ROWS):  # the register, tile and GEMM paths
+        x = torch.randn(rows, 512)
+        expected = x.double() @ values.double().T + bias.double()
+        bound = 1e-5 * (x.double().abs() @ values.double().abs().T) + 1e-6
+        assert ((linear(x, fused, bias).double() - expected).abs() <= bound).all()
+    v.int8_activations = True
+    assert QuantizedWeight.cat([q, k, v]) is None
 
 
 # -- loading ----------------------------------------------------------------------------------
@@ -211,7 +233,7 @@ def _tiny_gguf(tmp_path, arch, types="mixed"):
     """A tiny ``arch`` GGUF: ``mixed``, test_gguf's mix of types per projection; ``fused``,
     Q4_1 or Q8_0 for all of a layer's, so q/k/v and gate/up fuse quantized; ``k``, as a
     Q4_K_M file: Q4_K (layer 0) or Q5_K (layer 1) where rows are whole 256-value blocks,
-    ffn_down Q8_0, the embeddings and LM head Q6_K."""
+    ffn_down Q8_0, attn_v, the embeddings and LM head Q6_K."""
     rng = np.random.default_rng(4)
     tensors = _tiny_tensors(arch, rng, with_output=arch != "qwen3")
     for name, (array, qtype) in list(tensors.items()):
@@ -224,8 +246,8 @@ def _tiny_gguf(tmp_path, arch, types="mixed"):
             if types == "fused":
                 qtype = (Q.Q4_1, Q.Q8_0)[layer % 2]
         if types == "k":
-            qtype = (Q.Q6_K if layer is None else Q.Q8_0 if array.shape[1] % 256
-                     else (Q.Q4_K, Q.Q5_K)[layer])
+            qtype = (Q.Q6_K if layer is None or ".attn_v." in name
+                     else Q.Q8_0 if array.shape[1] % 256 else (Q.Q4_K, Q.Q5_K)[layer])
             if qtype != Q.Q8_0:
                 array = _k_blocks(rng, *array.shape, qtype)
         tensors[name] = (array, qtype)
@@ -282,17 +304,18 @@ def test_an_engine_with_kept_weights(tmp_path, types):
         return weights, [o.outputs[0].token_ids for o in outs], recorder.rows
 
     weights, tokens, rows = run(True)
-    kinds = [isinstance(w, QuantizedWeight) for w in weights]
+    kinds = [isinstance(w, KeptWeight) for w in weights]
     # mixed: layer 0 has Q8_0 q, Q4_1 k, F16 v, BF16 o, F32 gate, Q8_0 up, Q4_1 down
     assert kinds == ([False, False, False, True, True] if types == "mixed" else [True] * 5)
+    assert isinstance(weights[0], QuantizedStack) == (types == "k")  # Q4_K q, k; Q6_K v
     dense_weights, ref_tokens, ref_rows = run(False)
-    assert not any(isinstance(w, QuantizedWeight) for w in dense_weights)
+    assert not any(isinstance(w, KeptWeight) for w in dense_weights)
     assert tokens == ref_tokens and rows.keys() == ref_rows.keys()
     for key, row in rows.items():
         torch.testing.assert_close(row, ref_rows[key], rtol=0, atol=1e-5 * row.abs().max())
     # "int8": the same weights, small batches' rows rounded to int8: near, not equal
     int8_weights, _, int8_rows = run("int8")
-    assert [w.int8_activations for w in int8_weights if isinstance(w, QuantizedWeight)] == [
+    assert [w.int8_activations for w in int8_weights if isinstance(w, KeptWeight)] == [
         True] * sum(kinds)
     firsts = {rid: min(p for r, p in int8_rows if r == rid) for rid, _ in int8_rows}
     errors = [((int8_rows[rid, p] - ref_rows[rid, p]).abs().max()

@@ -11,7 +11,7 @@ through `F.linear`). `linear` multiplies with either kind. On CUDA a weight keep
 values and shape but may be laid out column-major (`CUDA_WEIGHT_LAYOUT`), which cuBLAS
 multiplies with other kernels. Other devices and dtypes, and torch builds without oneDNN,
 keep the plain weight and `F.linear`. A GGUF weight kept in its quantized blocks
-(`QuantizedWeight`) is its own layout: `linear` multiplies it with `quantized_linear`.
+(`KeptWeight`) is its own layout: `linear` multiplies it with `quantized_linear`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from heron.core.ops.quantized import QuantizedWeight, quantized_linear
+from heron.core.ops.quantized import KeptWeight, quantized_linear
 
 # The row count oneDNN tunes the packed layout for; any count works with it.
 _PACK_ROWS = 32
@@ -44,14 +44,14 @@ def pack_weight(w: torch.Tensor | None) -> torch.Tensor | None:
     has ``shape`` but no strides: use it only through `linear`."""
     if w is not None and w.is_cuda and w.dim() == 2 and CUDA_WEIGHT_LAYOUT == "column":
         return w.t().contiguous().t()
-    if w is None or isinstance(w, QuantizedWeight) or not can_pack(w):
+    if w is None or isinstance(w, KeptWeight) or not can_pack(w):
         return w
     return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
 
 
 def unpack_weight(w: torch.Tensor) -> torch.Tensor:
     """A plain tensor with the values of a `pack_weight`-ed (or plain, or quantized) ``w``."""
-    if isinstance(w, QuantizedWeight):
+    if isinstance(w, KeptWeight):
         return w.dequantize()
     return w.to_dense() if w.is_mkldnn else w
 
@@ -62,7 +62,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     ``relu`` (fused into the GEMM of a packed weight: no second pass over a wide output).
     A weight of another dtype than ``x`` (a drafter's bf16 weights among fp32 activations)
     multiplies ``x`` cast to its dtype, and the result comes back in ``x``'s."""
-    if isinstance(w, QuantizedWeight):
+    if isinstance(w, KeptWeight):
         y = quantized_linear(x, w, bias)
         return F.relu(y) if relu else y
     if w.dtype != x.dtype:

@@ -15,7 +15,8 @@ faster, but x is rounded to 8 bits a value (about 0.5% relative error a product)
 
 A `QuantizedWeight` stands in for a ``[out, in]`` float32 weight where the model's code
 moves, fuses and multiplies weights: ``to`` another device or dtype and `unpack_weight`
-give the dequantized tensor, `cat` fuses row blocks (q/k/v, gate/up) of one type.
+give the dequantized tensor, `cat` fuses row blocks (q/k/v, gate/up), into a
+`QuantizedStack` where their types differ.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import ctypes
 import functools
 import threading
 from dataclasses import dataclass
+from itertools import groupby
 from typing import NamedTuple
 
 import numpy as np
@@ -57,8 +59,30 @@ QUANT_TYPES = {2: QuantType("Q4_0", 32, 18, 16), 3: QuantType("Q4_1", 32, 20, 16
                13: QuantType("Q5_K", 256, 176, 4), 14: QuantType("Q6_K", 256, 210, 4)}
 
 
+class KeptWeight:
+    """What a `QuantizedWeight` and a `QuantizedStack` share: a float32 CPU ``[out, in]``
+    weight's stand-in, whose values ``dequantize`` gives."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32  # what it multiplies with and stands for
+
+    @property
+    def is_cuda(self) -> bool:
+        return False
+
+    def to(self, device=None, dtype=None) -> KeptWeight | torch.Tensor:
+        """Itself on the CPU as float32; anywhere else, the dequantized tensor there."""
+        if torch.device(device or "cpu").type == "cpu" and dtype in (None, torch.float32):
+            return self
+        return self.dequantize().to(device=device, dtype=dtype)
+
+    def contiguous(self) -> KeptWeight:
+        return self
+
+
 @dataclass(eq=False)
-class QuantizedWeight:
+class QuantizedWeight(KeptWeight):
     """A ``[out, in]`` weight as ``blocks``: uint8 ``[out, in / values * bytes]`` (a block's,
     `QuantType`), each row its values' blocks of ggml type ``qtype`` in order;
     ``int8_activations``: small batches multiply it with their values rounded to int8 (see
@@ -84,16 +108,8 @@ class QuantizedWeight:
         return torch.Size((self.blocks.shape[0], self.in_features))
 
     @property
-    def dtype(self) -> torch.dtype:
-        return torch.float32  # what it multiplies with and stands for
-
-    @property
     def device(self) -> torch.device:
         return self.blocks.device
-
-    @property
-    def is_cuda(self) -> bool:
-        return False
 
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 ``[out, in]`` weight, gguf's values (by the kernel where it builds),
@@ -108,30 +124,52 @@ class QuantizedWeight:
         lib.heron_dequantize(self.blocks.data_ptr(), out.data_ptr(), *self.shape)
         return out
 
-    def to(self, device=None, dtype=None) -> QuantizedWeight | torch.Tensor:
-        """Itself on the CPU as float32; anywhere else, the dequantized tensor there."""
-        if torch.device(device or "cpu").type == "cpu" and dtype in (None, torch.float32):
-            return self
-        return self.dequantize().to(device=device, dtype=dtype)
-
-    def contiguous(self) -> QuantizedWeight:
-        return self
-
     @staticmethod
-    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
-        """The weights' rows one after another; None unless all share type and width."""
+    def cat(parts: list[QuantizedWeight]) -> KeptWeight | None:
+        """The weights' rows one after another: a `QuantizedWeight` where all share a type,
+        else a `QuantizedStack` of each run of one type's; None unless all share width and
+        ``int8_activations``."""
         first = parts[0]
-        if any((p.qtype, p.in_features, p.int8_activations)
-               != (first.qtype, first.in_features, first.int8_activations) for p in parts):
+        if any((p.in_features, p.int8_activations)
+               != (first.in_features, first.int8_activations) for p in parts):
             return None
-        return QuantizedWeight(torch.cat([p.blocks for p in parts]).contiguous(),
-                               first.qtype, first.in_features, first.int8_activations)
+        runs = [QuantizedWeight(torch.cat([p.blocks for p in run]).contiguous(), qtype,
+                                first.in_features, first.int8_activations)
+                for qtype, run in groupby(parts, lambda p: p.qtype)]
+        return runs[0] if len(runs) == 1 else QuantizedStack(tuple(runs))
 
 
-def quantized_linear(x: torch.Tensor, w: QuantizedWeight,
+@dataclass(eq=False)
+class QuantizedStack(KeptWeight):
+    """`QuantizedWeight`s of one width and several types, their rows one after another (a
+    Q4_K_M layer's Q4_K q and k beside a Q6_K v), standing in for the fused weight: each
+    part multiplies into its own columns of the product."""
+
+    parts: tuple[QuantizedWeight, ...]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((sum(p.shape[0] for p in self.parts), self.parts[0].in_features))
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    @property
+    def int8_activations(self) -> bool:
+        return self.parts[0].int8_activations
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+def quantized_linear(x: torch.Tensor, w: KeptWeight,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [T, in] @ w.T + bias`` for float32 CPU ``x`` (rows may be strided); other
     dtypes multiply the dequantized weight."""
+    if isinstance(w, QuantizedStack):
+        y = torch.cat([quantized_linear(x, p) for p in w.parts], dim=-1)
+        return y if bias is None else y + bias
     lib = _kernel(w.qtype)
     if x.dtype is not torch.float32 or lib is None or not x.is_cpu:
         y = torch.nn.functional.linear(x, w.dequantize().to(x.dtype))

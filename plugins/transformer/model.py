@@ -19,7 +19,7 @@ from heron.core.ops import (
     silu_and_mul, write_kv)
 from heron.core.ops.linear import unpack_weight
 from heron.core.ops.lora import LayerLora, layer_loras
-from heron.core.ops.quantized import QuantizedWeight
+from heron.core.ops.quantized import KeptWeight, QuantizedWeight
 from heron.plugins.transformer.config import TransformerConfig
 
 
@@ -75,9 +75,9 @@ class Weights:
             return None
         return t.to(device=self.device, dtype=self.dtype).contiguous()
 
-    def cat(self, names: list[str], required: bool = True) -> torch.Tensor | QuantizedWeight | None:
-        """The tensors' rows one after another; quantized ones stay so where they share a
-        type (else all are dequantized)."""
+    def cat(self, names: list[str], required: bool = True) -> torch.Tensor | KeptWeight | None:
+        """The tensors' rows one after another; quantized ones stay so (`QuantizedWeight.cat`)
+        where all are and share a width (else all are dequantized)."""
         parts = [self.take(n, required) for n in names]
         if any(p is None for p in parts):
             return None
