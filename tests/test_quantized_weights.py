@@ -21,7 +21,7 @@ from heron.plugins.transformer.gguf_loader import load_gguf
 from tests.kernel_utils import vector_widths
 from tests.test_gguf import TINY, _random_blocks, _tiny_tensors, _write, tiny_meta
 
-KEPT = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+KEPT = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None,
                                 reason="no C++ compiler to build the quantized kernel")
@@ -233,7 +233,8 @@ def _tiny_gguf(tmp_path, arch, types="mixed"):
     """A tiny ``arch`` GGUF: ``mixed``, test_gguf's mix of types per projection; ``fused``,
     Q4_1 or Q8_0 for all of a layer's, so q/k/v and gate/up fuse quantized; ``k``, as a
     Q4_K_M file: Q4_K (layer 0) or Q5_K (layer 1) where rows are whole 256-value blocks,
-    ffn_down Q8_0, attn_v, the embeddings and LM head Q6_K."""
+    ffn_down Q5_0 (llama.cpp's stand-in for Q4_K there), attn_v, the embeddings and LM head
+    Q6_K."""
     rng = np.random.default_rng(4)
     tensors = _tiny_tensors(arch, rng, with_output=arch != "qwen3")
     for name, (array, qtype) in list(tensors.items()):
@@ -247,8 +248,8 @@ def _tiny_gguf(tmp_path, arch, types="mixed"):
                 qtype = (Q.Q4_1, Q.Q8_0)[layer % 2]
         if types == "k":
             qtype = (Q.Q6_K if layer is None or ".attn_v." in name
-                     else Q.Q8_0 if array.shape[1] % 256 else (Q.Q4_K, Q.Q5_K)[layer])
-            if qtype != Q.Q8_0:
+                     else Q.Q5_0 if array.shape[1] % 256 else (Q.Q4_K, Q.Q5_K)[layer])
+            if qtype != Q.Q5_0:
                 array = _k_blocks(rng, *array.shape, qtype)
         tensors[name] = (array, qtype)
     path = tmp_path / f"tiny-{arch}.gguf"

@@ -1,5 +1,6 @@
-"""Projection weights kept in a GGUF file's quantized blocks on the CPU: Q4_0, Q4_1, Q8_0 and
-the K-quants Q4_K, Q5_K, Q6_K (those of Q4_K_M and Q5_K_M files).
+"""Projection weights kept in a GGUF file's quantized blocks on the CPU: Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K (those of Q4_K_M and Q5_K_M files, which fall
+back to Q5_0, Q5_1 and Q8_0 where rows are not whole 256-value blocks).
 
 A decode step reads every weight once, and on the CPU that read sets its speed: a Q4_1
 weight is 0.625 bytes a value, float32's 4. `QuantizedWeight` holds the blocks as they lie in
@@ -47,14 +48,16 @@ class QuantType(NamedTuple):
     #: Up to this many rows, a weight with ``int8_activations`` multiplies in integers.
     #: SmolLM2's 1536 x 576 Q4_1 projection took 54 us against the float32 kernel's 84 at 1
     #: row, 105 against 177 at 4, 382 against 437 at 16, and about as long from 32 rows on
-    #: (2 AVX2 cores). A K-quant unpacks each sub-block's 6-bit scales again for every 4 rows:
-    #: a 2048 x 2048 Q4_K weight took about 200 us against 290 at 1 row, 430 against 640 at
-    #: 4, as long at 8 and 1.3x longer at 16.
+    #: (2 AVX2 cores). A K-quant unpacks each sub-block's 6-bit scales again for every 4 rows,
+    #: Q5_0 and Q5_1 their fifth bits: a 2048 x 2048 Q4_K weight took about 200 us against 290
+    #: at 1 row, 430 against 640 at 4, as long at 8 and 1.3x longer at 16; Q5_0 300 against
+    #: 450, 550 against 830, 2000 against 1700 at 16.
     int8_rows: int
 
 
 # by ggml type number
 QUANT_TYPES = {2: QuantType("Q4_0", 32, 18, 16), 3: QuantType("Q4_1", 32, 20, 16),
+               6: QuantType("Q5_0", 32, 22, 4), 7: QuantType("Q5_1", 32, 24, 4),
                8: QuantType("Q8_0", 32, 34, 16), 12: QuantType("Q4_K", 256, 144, 4),
                13: QuantType("Q5_K", 256, 176, 4), 14: QuantType("Q6_K", 256, 210, 4)}
 

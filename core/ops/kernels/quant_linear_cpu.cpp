@@ -8,10 +8,10 @@
 // result differs from a float32 matmul of the dequantized weight only in summation order.
 // A single row of x (with AVX2) multiplies each block in registers instead.
 //
-// QTYPE, ggml's type numbers: 2 Q4_0, 3 Q4_1, 8 Q8_0 (blocks of 32 values), 12 Q4_K, 13 Q5_K,
-// 14 Q6_K (blocks of 256: 8 sub-blocks of 32, each with its own scales; see sub_scales and
-// sub_value). K is a multiple of the block. x rows are x_stride floats apart, y rows
-// y_stride; w's rows are K / BLOCK_VALUES blocks, contiguous.
+// QTYPE, ggml's type numbers: 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0 (blocks of 32 values),
+// 12 Q4_K, 13 Q5_K, 14 Q6_K (blocks of 256: 8 sub-blocks of 32, each with its own scales;
+// see sub_scales and sub_value). K is a multiple of the block. x rows are x_stride floats
+// apart, y rows y_stride; w's rows are K / BLOCK_VALUES blocks, contiguous.
 
 #include <algorithm>
 #include <cmath>
@@ -40,19 +40,23 @@ inline float half_to_float(const uint8_t *p)
     return (float)h;
 }
 
-#if QTYPE == 2 || QTYPE == 3 || QTYPE == 8
+#if QTYPE == 2 || QTYPE == 3 || QTYPE == 6 || QTYPE == 7 || QTYPE == 8
 #define K_QUANTS 0
 constexpr int64_t BLOCK_VALUES = 32;
 #elif QTYPE == 12 || QTYPE == 13 || QTYPE == 14
 #define K_QUANTS 1
 constexpr int64_t BLOCK_VALUES = 256;
 #else
-#error "QTYPE must be 2 (Q4_0), 3 (Q4_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K)"
+#error "QTYPE must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12-14 (Q4_K-Q6_K)"
 #endif
 constexpr int SUBS = BLOCK_VALUES / 32;  // a block's sub-blocks of 32 values
-constexpr int64_t BLOCK_BYTES = QTYPE == 2 ? 18 : QTYPE == 3 ? 20 : QTYPE == 8 ? 34
-                              : QTYPE == 12 ? 144 : QTYPE == 13 ? 176 : 210;
+constexpr int64_t BLOCK_BYTES = QTYPE == 2 ? 18 : QTYPE == 3 ? 20 : QTYPE == 6 ? 22
+                              : QTYPE == 7 ? 24 : QTYPE == 8 ? 34 : QTYPE == 12 ? 144
+                              : QTYPE == 13 ? 176 : 210;
 constexpr bool SIGNED = QTYPE == 8 || QTYPE == 14;  // int8 values (Q6_K's are q - 32)
+constexpr bool HAS_MIN = QTYPE == 3 || QTYPE == 7;  // an fp16 m after d
+// Q4_0 and Q5_0 store q + 8 and q + 16 (unsigned): their m is -8 d, -16 d
+constexpr float ZERO = QTYPE == 2 ? 8.0f : QTYPE == 6 ? 16.0f : 0.0f;
 
 // Value i of sub-block j is q_i * d[i / 16] + m: Q6_K scales each 16 values apart, the
 // others all 32 alike. Q4_0's m = -8 d: then d * q + m is (q - 8) * d exactly. A K-quant's
@@ -64,9 +68,9 @@ struct SubScales {
 
 inline SubScales sub_scales(const uint8_t *b, [[maybe_unused]] int j)
 {
-#if QTYPE == 2 || QTYPE == 3 || QTYPE == 8
+#if !K_QUANTS
     const float d = half_to_float(b);
-    return {{d, d}, QTYPE == 3 ? half_to_float(b + 2) : QTYPE == 2 ? -8.0f * d : 0.0f};
+    return {{d, d}, HAS_MIN ? half_to_float(b + 2) : -ZERO * d};
 #elif QTYPE == 12 || QTYPE == 13
     // 12 bytes of 6-bit scales and mins: sub-blocks 0-3 in the low bits of bytes 0-7,
     // 4-7 in the nibbles of bytes 8-11 with their top bits in those of bytes 0-7
@@ -83,7 +87,8 @@ inline SubScales sub_scales(const uint8_t *b, [[maybe_unused]] int j)
 }
 
 // Value i of sub-block j's quantized values, as an int. Q4_0, Q4_1: fp16 d (and m), then 16
-// bytes whose low halves are values 0-15, high halves 16-31; Q8_0: fp16 d, 32 int8.
+// bytes whose low halves are values 0-15, high halves 16-31; Q5_0, Q5_1: the same with 4
+// bytes before the 16 whose bit i is value i's fifth bit; Q8_0: fp16 d, 32 int8.
 // Q4_K: fp16 d and dmin, the scales, 128 bytes: sub-blocks 2c and 2c + 1 are the low and
 // high halves of bytes 32c to 32c + 31. Q5_K: the same after 32 bytes whose bit j is
 // sub-block j's fifth bit. Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales,
@@ -91,8 +96,11 @@ inline SubScales sub_scales(const uint8_t *b, [[maybe_unused]] int j)
 inline int sub_value(const uint8_t *b, [[maybe_unused]] int j, int i)
 {
 #if QTYPE == 2 || QTYPE == 3
-    const uint8_t *q = b + (QTYPE == 3 ? 4 : 2);
+    const uint8_t *q = b + (HAS_MIN ? 4 : 2);
     return i < 16 ? q[i] & 0x0f : q[i - 16] >> 4;
+#elif QTYPE == 6 || QTYPE == 7
+    const uint8_t *high = b + (HAS_MIN ? 4 : 2), *q = high + 4;
+    return (i < 16 ? q[i] & 0x0f : q[i - 16] >> 4) | (high[i / 8] >> i % 8 & 1) << 4;
 #elif QTYPE == 8
     return (int8_t)b[2 + i];
 #elif QTYPE == 12 || QTYPE == 13
@@ -116,10 +124,23 @@ inline void sub_bytes(const uint8_t *b, [[maybe_unused]] int j, __m128i bytes[2]
         return _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
     };
     const __m128i nibble = _mm_set1_epi8(0x0f);
-#if QTYPE == 2 || QTYPE == 3
-    const __m128i raw = load(b + (QTYPE == 3 ? 4 : 2));
+#if QTYPE == 2 || QTYPE == 3 || QTYPE == 6 || QTYPE == 7
+    const __m128i raw = load(b + (HAS_MIN ? 4 : 2) + (QTYPE >= 6 ? 4 : 0));
     bytes[0] = _mm_and_si128(raw, nibble);
     bytes[1] = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+    if (QTYPE >= 6) {
+        // the fifth bits: byte k of each half takes bit k of its 16 (a byte of them
+        // copied to 8 lanes, each lane testing its own bit)
+        uint32_t high;
+        std::memcpy(&high, b + (HAS_MIN ? 4 : 2), 4);
+        const __m128i bit = _mm_set1_epi64x(0x8040201008040201);
+        const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        for (int e = 0; e < 2; ++e) {
+            const __m128i h = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)(high >> 16 * e)), spread);
+            const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(h, bit), bit);
+            bytes[e] = _mm_or_si128(bytes[e], _mm_and_si128(set, _mm_set1_epi8(16)));
+        }
+    }
 #elif QTYPE == 8
     bytes[0] = load(b + 2);
     bytes[1] = load(b + 18);
@@ -236,9 +257,10 @@ void row(const float *x, const uint8_t *w, int64_t row_bytes, int64_t K, float *
 // -- int8 activations (heron_quant_linear_int8) --------------------------------------
 // Each block of 32 values of a row of x is quantized as the weights are: a = max |x|,
 // d = a / 127, q = x * (1 / d) rounded to the nearest int8 (ties to even), s = d * sum(q).
-// A block's product is then dw * d * sum(qw * q) + c * s, c the weight block's m (Q4_1),
-// -8 dw (Q4_0) or 0 (Q8_0): integer multiply-adds, 32 at a time, in place of converting
-// each weight to float32. Not exact: x is rounded to 8 bits a value.
+// A block's product is then dw * d * sum(qw * q) + c * s, c the weight block's m (Q4_1,
+// Q5_1, K-quants), -8 dw (Q4_0), -16 dw (Q5_0) or 0 (Q8_0, Q6_K): integer multiply-adds,
+// 32 at a time, in place of converting each weight to float32. Not exact: x is rounded to
+// 8 bits a value.
 
 struct QuantizedRows {
     std::vector<int8_t> q;  // [M, K]
@@ -329,14 +351,15 @@ QuantizedRows quantize_rows(const float *x, int64_t x_stride, int64_t M, int64_t
 
 #if defined(BLOCK_IN_REGISTERS) && !K_QUANTS
 // A weight block's d and c (see above) as the first two lanes of a vector, converted from
-// fp16 in one instruction (Q4_1's pair; Q8_0's d beside a zero; Q4_0's d, then times -8)
+// fp16 in one instruction (Q4_1's and Q5_1's pair; Q8_0's d beside a zero; Q4_0's and Q5_0's
+// d, then times -ZERO)
 inline __m128 weight_scales(const uint8_t *b)
 {
     uint32_t bits = 0;
-    std::memcpy(&bits, b, QTYPE == 3 ? 4 : 2);
+    std::memcpy(&bits, b, HAS_MIN ? 4 : 2);
     const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128((int)bits));
-    return QTYPE == 2 ? _mm_mul_ps(_mm_moveldup_ps(v), _mm_setr_ps(1.0f, -8.0f, 0.0f, 0.0f))
-                      : v;
+    return ZERO != 0.0f ? _mm_mul_ps(_mm_moveldup_ps(v), _mm_setr_ps(1.0f, -ZERO, 0.0f, 0.0f))
+                        : v;
 }
 #endif
 
