@@ -8,10 +8,13 @@ Systems (a peer that is not set up is skipped, saying why; ``bench/peers/setup_*
 - heron, fp32 (``--dtype``), the Q4_1 GGUF dequantized at load; ``heron-q4_1``: its weights
   kept quantized (``model.keep_quantized``), float32 activations; ``heron-q4_1-int8``: and
   decode batches' activations rounded to int8 (``keep_quantized = "int8"``);
+  ``heron-q4_k_m``: kept quantized, the GGUF requantized to Q4_K_M by llama.cpp's quantizer
+  (`bench.peers.models.requantized_gguf`);
 - vLLM's CPU build, fp32 (``--dtype``), an HF directory of the same dequantized weights, tuned
   as its CPU docs advise (tcmalloc and Intel OpenMP preloaded, OpenMP threads bound to the
   cores);
-- llama.cpp's ``llama-server`` on the Q4_1 GGUF and on an F32 GGUF of the same weights;
+- llama.cpp's ``llama-server`` on the Q4_1 GGUF, on an F32 GGUF of the same weights and
+  (``llama.cpp-q4_k_m``) on the Q4_K_M one;
 - ``transformers serve`` (continuous batching), fp32 (``--dtype``), on the HF directory; it
   has no ``ignore_eos``, so it serves a copy whose generation config has no EOS.
 
@@ -74,18 +77,19 @@ PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 # model.keep_quantized -> (the system's name, its precision)
-KEPT = {False: ("heron", None), True: ("heron-q4_1", "Q4_1"),
-        "int8": ("heron-q4_1-int8", "Q4_1 x int8")}
-
-
-def heron(model: Path, port: int, threads: int, max_seqs: int,
-          dtype: str = "float32", keep_quantized: bool | str = False) -> System:
+def heron(model: Path, port: int, threads: int, max_seqs: int, dtype: str = "float32",
+          keep_quantized: bool | str = False, file_type: str = "Q4_1") -> System:
+    """heron serving ``model``; kept quantized, named for the file's type (heron-q4_1)."""
     from importlib.metadata import version
 
-    name, precision = KEPT[keep_quantized]
+    name, precision = "heron", PRECISION[dtype]
+    if keep_quantized:
+        name, precision = f"heron-{file_type.lower()}", file_type
+    if keep_quantized == "int8":
+        name, precision = name + "-int8", precision + " x int8"
     setting = keep_quantized if isinstance(keep_quantized, str) else str(keep_quantized).lower()
     return System(
-        name, precision or PRECISION[dtype],
+        name, precision,
         [sys.executable, "-m", "heron.server.cli", "serve", str(model), "--port", str(port),
          "--set", f"model.dtype={dtype}", "--set", f"model.num_threads={threads}",
          "--set", f"model.keep_quantized={setting}",
@@ -300,10 +304,14 @@ def main() -> None:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     max_seqs = max(args.concurrency)
 
-    from bench.peers.models import f32_gguf, hf_dir, hf_dir_without_eos
+    from bench.peers.models import f32_gguf, hf_dir, hf_dir_without_eos, requantized_gguf
     from heron.core.default_model import ensure_default_model
 
     gguf = ensure_default_model()
+
+    def q4_k_m() -> Path:
+        return requantized_gguf(gguf, "Q4_K_M", PEERS / "llama.cpp/bin/libllama.so")
+
     makers = {
         "heron": lambda port: heron(gguf, port, args.threads, max_seqs, args.dtype),
         "heron-q4_1": lambda port: heron(gguf, port, args.threads, max_seqs,
@@ -311,7 +319,11 @@ def main() -> None:
         "heron-q4_1-int8": lambda port: heron(gguf, port, args.threads, max_seqs,
                                               keep_quantized="int8"),
         "vllm": lambda port: vllm(hf_dir(gguf), port, args.threads, max_seqs, args.dtype),
+        "heron-q4_k_m": lambda port: heron(q4_k_m(), port, args.threads, max_seqs,
+                                           keep_quantized=True, file_type="Q4_K_M"),
         "llama.cpp-q4_1": lambda port: llama_cpp(gguf, "Q4_1", port, args.threads, max_seqs),
+        "llama.cpp-q4_k_m": lambda port: llama_cpp(q4_k_m(), "Q4_K_M", port, args.threads,
+                                                   max_seqs),
         "llama.cpp-f32": lambda port: llama_cpp(f32_gguf(gguf), "F32", port, args.threads,
                                                 max_seqs),
         "transformers": lambda port: transformers_serve(hf_dir_without_eos(gguf), port,

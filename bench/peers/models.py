@@ -5,13 +5,16 @@
 - ``hf_dir_without_eos``: the same directory (linked) with no EOS in its generation config,
   for servers that have no ``ignore_eos`` (``transformers serve``);
 - ``f32_gguf``: the same GGUF with every tensor dequantized to F32 (names, metadata and
-  tokenizer unchanged), so llama.cpp computes at heron's precision.
+  tokenizer unchanged), so llama.cpp computes at heron's precision;
+- ``requantized_gguf``: the same GGUF requantized by llama.cpp's own quantizer to another
+  file type (Q4_K_M: its mix of types per tensor), for both to serve.
 
     python -m bench.peers.models   # prints both paths
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 from pathlib import Path
 
@@ -87,6 +90,49 @@ def f32_gguf(gguf_path: Path) -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    tmp.rename(out)
+    return out
+
+
+# ggml's llama_ftype numbers (llama.h)
+FILE_TYPES = {"Q4_K_M": 15, "Q5_K_M": 17}
+
+
+class _QuantizeParams(ctypes.Structure):
+    """llama.h's ``llama_model_quantize_params`` at llama-cpp-python 0.3.36
+    (setup_llamacpp.sh's pin)."""
+
+    _fields_ = [("nthread", ctypes.c_int32), ("ftype", ctypes.c_int),
+                ("output_tensor_type", ctypes.c_int), ("token_embedding_type", ctypes.c_int),
+                ("allow_requantize", ctypes.c_bool), ("quantize_output_tensor", ctypes.c_bool),
+                ("only_copy", ctypes.c_bool), ("pure", ctypes.c_bool),
+                ("keep_split", ctypes.c_bool), ("dry_run", ctypes.c_bool),
+                ("imatrix", ctypes.c_void_p), ("kv_overrides", ctypes.c_void_p),
+                ("tt_overrides", ctypes.c_void_p), ("prune_layers", ctypes.c_void_p),
+                ("max_buf_size", ctypes.c_size_t)]
+
+
+def requantized_gguf(gguf_path: Path, file_type: str, libllama: Path) -> Path:
+    """``gguf_path`` requantized to ``file_type`` (`FILE_TYPES`) by ``llama_model_quantize``
+    of ``libllama``: llama.cpp's choice of type per tensor (Q4_K_M: Q4_K, Q6_K for some
+    layers' attn_v and ffn_down, and their stand-ins Q5_0 and Q8_0 where rows are not whole
+    256-value blocks). From the default model's Q4_1 values: a file to time, not to judge
+    quality by."""
+    out = gguf_path.with_name(gguf_path.stem.rsplit(".", 1)[0] + f".{file_type}.gguf")
+    if out.exists():
+        return out
+    lib = ctypes.CDLL(str(libllama))
+    lib.llama_model_quantize_default_params.restype = _QuantizeParams
+    lib.llama_model_quantize.argtypes = [ctypes.c_char_p, ctypes.c_char_p,
+                                         ctypes.POINTER(_QuantizeParams)]
+    lib.llama_model_quantize.restype = ctypes.c_uint32
+    lib.llama_backend_init()
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = FILE_TYPES[file_type]
+    params.allow_requantize = True
+    tmp = out.with_suffix(".tmp")
+    if lib.llama_model_quantize(str(gguf_path).encode(), str(tmp).encode(), ctypes.byref(params)):
+        raise RuntimeError(f"llama.cpp could not quantize {gguf_path} to {file_type}")
     tmp.rename(out)
     return out
 
