@@ -21,7 +21,7 @@ from heron.plugins.transformer.gguf_loader import load_gguf
 from tests.kernel_utils import vector_widths
 from tests.test_gguf import TINY, _random_blocks, _tiny_tensors, _write, tiny_meta
 
-KEPT = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+KEPT = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None,
                                 reason="no C++ compiler to build the quantized kernel")
@@ -216,7 +216,7 @@ def test_weights_of_several_types_fuse_as_a_stack():
 
 # -- loading ----------------------------------------------------------------------------------
 
-K_SCALE = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # each block's fp16 d (and dmin)
+K_SCALE = {Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # each block's fp16 d (and dmin)
 
 
 def _k_blocks(rng, rows, cols, qtype):

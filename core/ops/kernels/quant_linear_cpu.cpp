@@ -9,9 +9,9 @@
 // A single row of x (with AVX2) multiplies each block in registers instead.
 //
 // QTYPE, ggml's type numbers: 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0 (blocks of 32 values),
-// 12 Q4_K, 13 Q5_K, 14 Q6_K (blocks of 256: 8 sub-blocks of 32, each with its own scales;
-// see sub_scales and sub_value). K is a multiple of the block. x rows are x_stride floats
-// apart, y rows y_stride; w's rows are K / BLOCK_VALUES blocks, contiguous.
+// 11 Q3_K, 12 Q4_K, 13 Q5_K, 14 Q6_K (blocks of 256: 8 sub-blocks of 32, each with its own
+// scales; see sub_scales and sub_value). K is a multiple of the block. x rows are x_stride
+// floats apart, y rows y_stride; w's rows are K / BLOCK_VALUES blocks, contiguous.
 
 #include <algorithm>
 #include <cmath>
@@ -43,25 +43,28 @@ inline float half_to_float(const uint8_t *p)
 #if QTYPE == 2 || QTYPE == 3 || QTYPE == 6 || QTYPE == 7 || QTYPE == 8
 #define K_QUANTS 0
 constexpr int64_t BLOCK_VALUES = 32;
-#elif QTYPE == 12 || QTYPE == 13 || QTYPE == 14
+#elif QTYPE >= 11 && QTYPE <= 14
 #define K_QUANTS 1
 constexpr int64_t BLOCK_VALUES = 256;
 #else
-#error "QTYPE must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12-14 (Q4_K-Q6_K)"
+#error "QTYPE must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 11-14 (Q3_K-Q6_K)"
 #endif
 constexpr int SUBS = BLOCK_VALUES / 32;  // a block's sub-blocks of 32 values
 constexpr int64_t BLOCK_BYTES = QTYPE == 2 ? 18 : QTYPE == 3 ? 20 : QTYPE == 6 ? 22
-                              : QTYPE == 7 ? 24 : QTYPE == 8 ? 34 : QTYPE == 12 ? 144
-                              : QTYPE == 13 ? 176 : 210;
-constexpr bool SIGNED = QTYPE == 8 || QTYPE == 14;  // int8 values (Q6_K's are q - 32)
+                              : QTYPE == 7 ? 24 : QTYPE == 8 ? 34 : QTYPE == 11 ? 110
+                              : QTYPE == 12 ? 144 : QTYPE == 13 ? 176 : 210;
+// int8 values (Q3_K's are q - 4, Q6_K's q - 32)
+constexpr bool SIGNED = QTYPE == 8 || QTYPE == 11 || QTYPE == 14;
+#define TWO_SCALES (QTYPE == 11 || QTYPE == 14)  // one for each 16 values
 constexpr bool HAS_MIN = QTYPE == 3 || QTYPE == 7;  // an fp16 m after d
 // Q4_0 and Q5_0 store q + 8 and q + 16 (unsigned): their m is -8 d, -16 d
 constexpr float ZERO = QTYPE == 2 ? 8.0f : QTYPE == 6 ? 16.0f : 0.0f;
 
-// Value i of sub-block j is q_i * d[i / 16] + m: Q6_K scales each 16 values apart, the
-// others all 32 alike. Q4_0's m = -8 d: then d * q + m is (q - 8) * d exactly. A K-quant's
-// d is its block's fp16 d times the sub-block's scale and m its fp16 dmin times the
-// sub-block's min, negated; both products are exact in float32, as gguf's numpy has them.
+// Value i of sub-block j is q_i * d[i / 16] + m: Q3_K and Q6_K scale each 16 values apart,
+// the others all 32 alike. Q4_0's m = -8 d: then d * q + m is (q - 8) * d exactly. A
+// K-quant's d is its block's fp16 d times the sub-block's scale and m its fp16 dmin times
+// the sub-block's min, negated; both products are exact in float32, as gguf's numpy has
+// them.
 struct SubScales {
     float d[2], m;
 };
@@ -79,6 +82,18 @@ inline SubScales sub_scales(const uint8_t *b, [[maybe_unused]] int j)
     const int min = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | (s[j] >> 6) << 4;
     const float d = half_to_float(b) * (float)scale;
     return {{d, d}, -(half_to_float(b + 2) * (float)min)};
+#elif QTYPE == 11
+    // 12 bytes of 16 6-bit scales, stored + 32: scale k's low 4 bits in byte k (k < 8) or
+    // the high half of byte k - 8, its top 2 bits in bits 2 (k / 4) of byte 8 + k % 4
+    const uint8_t *s = b + 96;
+    const float d = half_to_float(b + 108);
+    float ds[2];
+    for (int h = 0; h < 2; ++h) {
+        const int k = 2 * j + h;
+        const int low = k < 8 ? s[k] & 0x0f : s[k - 8] >> 4;
+        ds[h] = d * (float)((low | (s[8 + k % 4] >> 2 * (k / 4) & 3) << 4) - 32);
+    }
+    return {{ds[0], ds[1]}, 0.0f};
 #else
     const int8_t *s = reinterpret_cast<const int8_t *>(b + 192);
     const float d = half_to_float(b + 208);
@@ -91,8 +106,10 @@ inline SubScales sub_scales(const uint8_t *b, [[maybe_unused]] int j)
 // bytes before the 16 whose bit i is value i's fifth bit; Q8_0: fp16 d, 32 int8.
 // Q4_K: fp16 d and dmin, the scales, 128 bytes: sub-blocks 2c and 2c + 1 are the low and
 // high halves of bytes 32c to 32c + 31. Q5_K: the same after 32 bytes whose bit j is
-// sub-block j's fifth bit. Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales,
-// fp16 d; q - 32 (see gguf's dequantize_blocks).
+// sub-block j's fifth bit. Q3_K: 32 bytes whose bit j is sub-block j's third bit, 64 bytes
+// of low 2 bits (sub-block j at bit 2 (j % 4) of bytes 32 (j / 4) on), the scales, fp16 d;
+// q - 4. Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, fp16 d; q - 32
+// (see gguf's dequantize_blocks).
 inline int sub_value(const uint8_t *b, [[maybe_unused]] int j, int i)
 {
 #if QTYPE == 2 || QTYPE == 3
@@ -103,6 +120,8 @@ inline int sub_value(const uint8_t *b, [[maybe_unused]] int j, int i)
     return (i < 16 ? q[i] & 0x0f : q[i - 16] >> 4) | (high[i / 8] >> i % 8 & 1) << 4;
 #elif QTYPE == 8
     return (int8_t)b[2 + i];
+#elif QTYPE == 11
+    return ((b[32 + 32 * (j / 4) + i] >> 2 * (j % 4) & 3) | (b[i] >> j & 1) << 2) - 4;
 #elif QTYPE == 12 || QTYPE == 13
     const int low = b[(QTYPE == 12 ? 16 : 48) + 32 * (j / 2) + i] >> 4 * (j % 2) & 0x0f;
     return QTYPE == 12 ? low : low | (b[16 + i] >> j & 1) << 4;
@@ -155,6 +174,15 @@ inline void sub_bytes(const uint8_t *b, [[maybe_unused]] int j, __m128i bytes[2]
                 _mm_srl_epi16(load(b + 16 + 16 * e), _mm_cvtsi32_si128(j)), _mm_set1_epi8(1));
             bytes[e] = _mm_or_si128(bytes[e], _mm_slli_epi16(fifth, 4));
         }
+    }
+#elif QTYPE == 11
+    for (int e = 0; e < 2; ++e) {
+        const __m128i low = _mm_and_si128(
+            _mm_srl_epi16(load(b + 32 + 32 * (j / 4) + 16 * e), _mm_cvtsi32_si128(2 * (j % 4))),
+            _mm_set1_epi8(3));
+        const __m128i third = _mm_and_si128(
+            _mm_srl_epi16(load(b + 16 * e), _mm_cvtsi32_si128(j)), _mm_set1_epi8(1));
+        bytes[e] = _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(third, 2)), _mm_set1_epi8(4));
     }
 #else
     const int h = j / 4, t = j % 4;
@@ -258,9 +286,9 @@ void row(const float *x, const uint8_t *w, int64_t row_bytes, int64_t K, float *
 // Each block of 32 values of a row of x is quantized as the weights are: a = max |x|,
 // d = a / 127, q = x * (1 / d) rounded to the nearest int8 (ties to even), s = d * sum(q).
 // A block's product is then dw * d * sum(qw * q) + c * s, c the weight block's m (Q4_1,
-// Q5_1, K-quants), -8 dw (Q4_0), -16 dw (Q5_0) or 0 (Q8_0, Q6_K): integer multiply-adds,
-// 32 at a time, in place of converting each weight to float32. Not exact: x is rounded to
-// 8 bits a value.
+// Q5_1, Q4_K, Q5_K), -8 dw (Q4_0), -16 dw (Q5_0) or 0 (Q8_0, Q3_K, Q6_K): integer
+// multiply-adds, 32 at a time, in place of converting each weight to float32. Not exact: x
+// is rounded to 8 bits a value.
 
 struct QuantizedRows {
     std::vector<int8_t> q;  // [M, K]
@@ -384,7 +412,7 @@ void rows_int8(const QuantizedRows &r, int64_t row0, const uint8_t *w, int64_t r
             for (int j = 0; j < SUBS; ++j) {
                 const int64_t b = b0 + j;
                 const __m256i wq = weight_bytes(wb, j);
-#if QTYPE == 14
+#if TWO_SCALES
                 // a block's dot has values 0-15 in lanes 0-3, 16-31 in 4-7: two scales
                 const SubScales s = sub_scales(wb, j);
                 const __m256 dw = _mm256_setr_m128(_mm_set1_ps(s.d[0]), _mm_set1_ps(s.d[1]));
@@ -399,10 +427,10 @@ void rows_int8(const QuantizedRows &r, int64_t row0, const uint8_t *w, int64_t r
                     const __m256i xq = _mm256_loadu_si256(
                         reinterpret_cast<const __m256i *>(q + i * K + b * 32));
                     // {dw * d, c * s}: the block's scale and its offset term in one multiply
-                    // (Q6_K's dw comes after, per half)
+                    // (Q3_K's and Q6_K's dw come after, per half)
                     const __m128 scale = _mm_mul_ps(dc, _mm_castpd_ps(_mm_load_sd(
                         reinterpret_cast<const double *>(ds + (i * blocks + b) * 2))));
-#if QTYPE == 14
+#if TWO_SCALES
                     const __m256 block_scale = _mm256_mul_ps(dw, _mm256_broadcastss_ps(scale));
 #else
                     const __m256 block_scale = _mm256_broadcastss_ps(scale);
