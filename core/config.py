@@ -75,10 +75,10 @@ class ModelConfig(_Section):
     # L2-normalize embeddings; unset: as the checkpoint's sentence-transformers modules
     # say (a Normalize module), else true
     normalize: bool | None = None
-    # a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q3_K-Q6_K projection weights stay
-    # quantized on the CPU in float32 (`heron.core.ops.quantized`); "int8": and batches of up
-    # to 16 rows (4 for Q5 and K-quants) are quantized to 8 bits a value to multiply them in
-    # integers (not exact); false: every weight is dequantized at load
+    # a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q3_K-Q6_K / IQ4_NL / IQ4_XS projection
+    # weights stay quantized on the CPU in float32 (`heron.core.ops.quantized`); "int8": and
+    # batches of up to 16 rows (4 for Q5, K-quants and IQ4_XS) are quantized to 8 bits a value
+    # to multiply them in integers (not exact); false: every weight is dequantized at load
     keep_quantized: bool | Literal["int8"] = False
 
     def _checks(self):

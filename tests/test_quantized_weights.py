@@ -21,7 +21,8 @@ from heron.plugins.transformer.gguf_loader import load_gguf
 from tests.kernel_utils import vector_widths
 from tests.test_gguf import TINY, _random_blocks, _tiny_tensors, _write, tiny_meta
 
-KEPT = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+KEPT = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL,
+        Q.IQ4_XS]
 
 pytestmark = pytest.mark.skipif(cpu_kernels.compiler() is None,
                                 reason="no C++ compiler to build the quantized kernel")

@@ -1,6 +1,7 @@
 """Projection weights kept in a GGUF file's quantized blocks on the CPU: Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0 and the K-quants Q3_K, Q4_K, Q5_K, Q6_K (those of Q3_K_M to Q5_K_M files, which
-fall back to Q4_0, Q5_0, Q5_1 and Q8_0 where rows are not whole 256-value blocks).
+Q5_1, Q8_0, the K-quants Q3_K, Q4_K, Q5_K, Q6_K (those of Q3_K_M to Q5_K_M files, which
+fall back to Q4_0, Q5_0, Q5_1 and Q8_0 where rows are not whole 256-value blocks), IQ4_NL
+and IQ4_XS.
 
 A decode step reads every weight once, and on the CPU that read sets its speed: a Q4_1
 weight is 0.625 bytes a value, float32's 4. `QuantizedWeight` holds the blocks as they lie in
@@ -60,7 +61,8 @@ QUANT_TYPES = {2: QuantType("Q4_0", 32, 18, 16), 3: QuantType("Q4_1", 32, 20, 16
                6: QuantType("Q5_0", 32, 22, 4), 7: QuantType("Q5_1", 32, 24, 4),
                8: QuantType("Q8_0", 32, 34, 16), 11: QuantType("Q3_K", 256, 110, 4),
                12: QuantType("Q4_K", 256, 144, 4), 13: QuantType("Q5_K", 256, 176, 4),
-               14: QuantType("Q6_K", 256, 210, 4)}
+               14: QuantType("Q6_K", 256, 210, 4), 20: QuantType("IQ4_NL", 32, 18, 16),
+               23: QuantType("IQ4_XS", 256, 136, 4)}
 
 
 class KeptWeight:

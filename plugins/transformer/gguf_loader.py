@@ -18,9 +18,9 @@ Contract of `load_gguf(path) -> (hf_config, state_dict, tokenizer)`:
   - an unknown architecture, tensor name or quantization type raises ValueError naming it.
 
 With ``keep_quantized``, projection weights (and the LM head, tied or not) of the types
-`heron.core.ops.quantized` multiplies (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K-Q6_K) stay in
-their blocks as `QuantizedWeight`s where its kernel builds; the embeddings stay float32 as
-well, since a lookup reads them row by row.
+`heron.core.ops.quantized` multiplies (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K-Q6_K, IQ4_NL,
+IQ4_XS) stay in their blocks as `QuantizedWeight`s where its kernel builds; the embeddings
+stay float32 as well, since a lookup reads them row by row.
 """
 
 from __future__ import annotations

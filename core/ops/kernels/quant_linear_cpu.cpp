@@ -8,10 +8,11 @@
 // result differs from a float32 matmul of the dequantized weight only in summation order.
 // A single row of x (with AVX2) multiplies each block in registers instead.
 //
-// QTYPE, ggml's type numbers: 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0 (blocks of 32 values),
-// 11 Q3_K, 12 Q4_K, 13 Q5_K, 14 Q6_K (blocks of 256: 8 sub-blocks of 32, each with its own
-// scales; see sub_scales and sub_value). K is a multiple of the block. x rows are x_stride
-// floats apart, y rows y_stride; w's rows are K / BLOCK_VALUES blocks, contiguous.
+// QTYPE, ggml's type numbers: 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 20 IQ4_NL (blocks of
+// 32 values), 11 Q3_K, 12 Q4_K, 13 Q5_K, 14 Q6_K, 23 IQ4_XS (blocks of 256: 8 sub-blocks of
+// 32, each with its own scales; see sub_scales and sub_value). K is a multiple of the
+// block. x rows are x_stride floats apart, y rows y_stride; w's rows are K / BLOCK_VALUES
+// blocks, contiguous.
 
 #include <algorithm>
 #include <cmath>
@@ -40,21 +41,27 @@ inline float half_to_float(const uint8_t *p)
     return (float)h;
 }
 
-#if QTYPE == 2 || QTYPE == 3 || QTYPE == 6 || QTYPE == 7 || QTYPE == 8
+#if QTYPE == 2 || QTYPE == 3 || QTYPE == 6 || QTYPE == 7 || QTYPE == 8 || QTYPE == 20
 #define K_QUANTS 0
 constexpr int64_t BLOCK_VALUES = 32;
-#elif QTYPE >= 11 && QTYPE <= 14
+#elif (QTYPE >= 11 && QTYPE <= 14) || QTYPE == 23
 #define K_QUANTS 1
 constexpr int64_t BLOCK_VALUES = 256;
 #else
-#error "QTYPE must be 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 11-14 (Q3_K-Q6_K)"
+#error "QTYPE must be 2, 3, 6, 7, 8 (Q4_0-Q8_0), 11-14 (Q3_K-Q6_K), 20 (IQ4_NL) or 23 (IQ4_XS)"
 #endif
 constexpr int SUBS = BLOCK_VALUES / 32;  // a block's sub-blocks of 32 values
 constexpr int64_t BLOCK_BYTES = QTYPE == 2 ? 18 : QTYPE == 3 ? 20 : QTYPE == 6 ? 22
                               : QTYPE == 7 ? 24 : QTYPE == 8 ? 34 : QTYPE == 11 ? 110
-                              : QTYPE == 12 ? 144 : QTYPE == 13 ? 176 : 210;
-// int8 values (Q3_K's are q - 4, Q6_K's q - 32)
-constexpr bool SIGNED = QTYPE == 8 || QTYPE == 11 || QTYPE == 14;
+                              : QTYPE == 12 ? 144 : QTYPE == 13 ? 176 : QTYPE == 14 ? 210
+                              : QTYPE == 20 ? 18 : 136;
+// int8 values (Q3_K's are q - 4, Q6_K's q - 32, the IQ4 types' those of IQ4_VALUES)
+constexpr bool SIGNED = QTYPE == 8 || QTYPE == 11 || QTYPE == 14 || QTYPE >= 20;
+#define Q5 (QTYPE == 6 || QTYPE == 7)
+#define IQ4 (QTYPE == 20 || QTYPE == 23)
+// The IQ4 types' 16 values, which a nibble picks (ggml's kvalues_iq4nl)
+alignas(16) constexpr int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                               1,    13,   25,  38,  53,  69,  89,  113};
 #define TWO_SCALES (QTYPE == 11 || QTYPE == 14)  // one for each 16 values
 constexpr bool HAS_MIN = QTYPE == 3 || QTYPE == 7;  // an fp16 m after d
 // Q4_0 and Q5_0 store q + 8 and q + 16 (unsigned): their m is -8 d, -16 d
@@ -94,6 +101,13 @@ inline SubScales sub_scales(const uint8_t *b, [[maybe_unused]] int j)
         ds[h] = d * (float)((low | (s[8 + k % 4] >> 2 * (k / 4) & 3) << 4) - 32);
     }
     return {{ds[0], ds[1]}, 0.0f};
+#elif QTYPE == 23
+    // sub-block j's 6-bit scale, stored + 32: 4 bits in a nibble of byte 4 + j / 2, 2 in
+    // bits 2j of the 16-bit word at byte 2
+    const int high = (b[2] | b[3] << 8) >> 2 * j & 3;
+    const int scale = (b[4 + j / 2] >> 4 * (j % 2) & 0x0f) | high << 4;
+    const float d = half_to_float(b) * (float)(scale - 32);
+    return {{d, d}, 0.0f};
 #else
     const int8_t *s = reinterpret_cast<const int8_t *>(b + 192);
     const float d = half_to_float(b + 208);
@@ -109,13 +123,15 @@ inline SubScales sub_scales(const uint8_t *b, [[maybe_unused]] int j)
 // sub-block j's fifth bit. Q3_K: 32 bytes whose bit j is sub-block j's third bit, 64 bytes
 // of low 2 bits (sub-block j at bit 2 (j % 4) of bytes 32 (j / 4) on), the scales, fp16 d;
 // q - 4. Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, fp16 d; q - 32
-// (see gguf's dequantize_blocks).
+// (see gguf's dequantize_blocks). IQ4_NL: fp16 d, 16 bytes of nibbles as Q4_0's, each
+// picking one of IQ4_VALUES; IQ4_XS: fp16 d, the scales, then each sub-block's 16 such bytes.
 inline int sub_value(const uint8_t *b, [[maybe_unused]] int j, int i)
 {
-#if QTYPE == 2 || QTYPE == 3
-    const uint8_t *q = b + (HAS_MIN ? 4 : 2);
-    return i < 16 ? q[i] & 0x0f : q[i - 16] >> 4;
-#elif QTYPE == 6 || QTYPE == 7
+#if QTYPE == 2 || QTYPE == 3 || IQ4
+    const uint8_t *q = b + (QTYPE == 23 ? 8 + 16 * j : HAS_MIN ? 4 : 2);
+    const int nibble = i < 16 ? q[i] & 0x0f : q[i - 16] >> 4;
+    return IQ4 ? IQ4_VALUES[nibble] : nibble;
+#elif Q5
     const uint8_t *high = b + (HAS_MIN ? 4 : 2), *q = high + 4;
     return (i < 16 ? q[i] & 0x0f : q[i - 16] >> 4) | (high[i / 8] >> i % 8 & 1) << 4;
 #elif QTYPE == 8
@@ -143,11 +159,15 @@ inline void sub_bytes(const uint8_t *b, [[maybe_unused]] int j, __m128i bytes[2]
         return _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
     };
     const __m128i nibble = _mm_set1_epi8(0x0f);
-#if QTYPE == 2 || QTYPE == 3 || QTYPE == 6 || QTYPE == 7
-    const __m128i raw = load(b + (HAS_MIN ? 4 : 2) + (QTYPE >= 6 ? 4 : 0));
+#if QTYPE == 2 || QTYPE == 3 || Q5 || IQ4
+    const __m128i raw = load(b + (QTYPE == 23 ? 8 + 16 * j : (HAS_MIN ? 4 : 2) + (Q5 ? 4 : 0)));
     bytes[0] = _mm_and_si128(raw, nibble);
     bytes[1] = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
-    if (QTYPE >= 6) {
+    if (IQ4) {  // each nibble picks its value
+        const __m128i values = load(reinterpret_cast<const uint8_t *>(IQ4_VALUES));
+        bytes[0] = _mm_shuffle_epi8(values, bytes[0]);
+        bytes[1] = _mm_shuffle_epi8(values, bytes[1]);
+    } else if (Q5) {
         // the fifth bits: byte k of each half takes bit k of its 16 (a byte of them
         // copied to 8 lanes, each lane testing its own bit)
         uint32_t high;
