@@ -76,7 +76,6 @@ MAX_MODEL_LEN = 2048
 PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
 
 
-# model.keep_quantized -> (the system's name, its precision)
 def heron(model: Path, port: int, threads: int, max_seqs: int, dtype: str = "float32",
           keep_quantized: bool | str = False, file_type: str = "Q4_1") -> System:
     """heron serving ``model``; kept quantized, named for the file's type (heron-q4_1)."""

@@ -10,11 +10,12 @@ message is the answer's start, which the model continues (a prefill). ``tools`` 
 as in chat (`heron.server.tools`), ``output_config.format`` holds the answer to a JSON
 schema, ``thinking`` reaches the template as ``enable_thinking`` (and
 ``output_config.effort`` as ``reasoning_effort``), and with a reasoning parser the thinking
-comes back as a ``thinking`` block, capped at ``thinking.budget_tokens``. The answer is its blocks (thinking, text, then the
-calls), with ``stop_reason`` ``end_turn``, ``max_tokens``, ``stop_sequence`` (naming it) or
-``tool_use``; a stream sends Anthropic's events: text and thinking as they come, a named
-call's input as the model writes it (``input_json_delta`` pieces, as chat streams its
-arguments), and the other calls each whole in its block, once the answer ends.
+comes back as a ``thinking`` block, capped at ``thinking.budget_tokens``. The answer is its
+blocks (thinking, text, then the calls), with ``stop_reason`` ``end_turn``, ``max_tokens``,
+``stop_sequence`` (naming it) or ``tool_use``; a stream sends Anthropic's events: text and
+thinking as they come, a named call's input as the model writes it (``input_json_delta``
+pieces, as chat streams its arguments), and the other calls each whole in its block, once
+the answer ends.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ async def create_message(request: web.Request) -> web.StreamResponse:
                              structured=None if fmt is None else StructuredOutput(
                                  json=fmt.schema, param="output_config.format.schema"))
     parser = app[REASONING]
-    budget = req.thinking.budget_tokens if req.thinking is not None and parser is not None else None
+    budget = (req.thinking.budget_tokens if req.thinking is not None and parser is not None
+              else None)
     thinking = plan_thinking(parser, prompt_ids, params, budget)
     async with Generation(request, "msg", [prompt_ids], params, None, adapter=adapter) as gen:
         if req.stream:

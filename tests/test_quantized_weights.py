@@ -217,7 +217,8 @@ def test_weights_of_several_types_fuse_as_a_stack():
 
 # -- loading ----------------------------------------------------------------------------------
 
-K_SCALE = {Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # each block's fp16 d (and dmin)
+# where each block's fp16 d (and dmin) lies
+K_SCALE = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 
 def _k_blocks(rng, rows, cols, qtype):

@@ -121,6 +121,8 @@ def requantized_gguf(gguf_path: Path, file_type: str, libllama: Path) -> Path:
     out = gguf_path.with_name(gguf_path.stem.rsplit(".", 1)[0] + f".{file_type}.gguf")
     if out.exists():
         return out
+    if not libllama.exists():
+        raise FileNotFoundError(f"{libllama} is missing: run bench/peers/setup_llamacpp.sh")
     lib = ctypes.CDLL(str(libllama))
     lib.llama_model_quantize_default_params.restype = _QuantizeParams
     lib.llama_model_quantize.argtypes = [ctypes.c_char_p, ctypes.c_char_p,

@@ -55,10 +55,10 @@ constexpr int64_t BLOCK_BYTES = QTYPE == 2 ? 18 : QTYPE == 3 ? 20 : QTYPE == 6 ?
                               : QTYPE == 7 ? 24 : QTYPE == 8 ? 34 : QTYPE == 11 ? 110
                               : QTYPE == 12 ? 144 : QTYPE == 13 ? 176 : QTYPE == 14 ? 210
                               : QTYPE == 20 ? 18 : 136;
-// int8 values (Q3_K's are q - 4, Q6_K's q - 32, the IQ4 types' those of IQ4_VALUES)
-constexpr bool SIGNED = QTYPE == 8 || QTYPE == 11 || QTYPE == 14 || QTYPE >= 20;
 #define Q5 (QTYPE == 6 || QTYPE == 7)
 #define IQ4 (QTYPE == 20 || QTYPE == 23)
+// int8 values (Q3_K's are q - 4, Q6_K's q - 32, the IQ4 types' those of IQ4_VALUES)
+constexpr bool SIGNED = QTYPE == 8 || QTYPE == 11 || QTYPE == 14 || IQ4;
 // The IQ4 types' 16 values, which a nibble picks (ggml's kvalues_iq4nl)
 alignas(16) constexpr int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                1,    13,   25,  38,  53,  69,  89,  113};
@@ -125,15 +125,29 @@ inline SubScales sub_scales(const uint8_t *b, [[maybe_unused]] int j)
 // q - 4. Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, fp16 d; q - 32
 // (see gguf's dequantize_blocks). IQ4_NL: fp16 d, 16 bytes of nibbles as Q4_0's, each
 // picking one of IQ4_VALUES; IQ4_XS: fp16 d, the scales, then each sub-block's 16 such bytes.
+#define NIBBLES (QTYPE == 2 || QTYPE == 3 || Q5 || IQ4)
+#if NIBBLES
+// Q5's 4 bytes of fifth bits, after d (and m)
+inline const uint8_t *fifth_bits(const uint8_t *b)
+{
+    return b + (HAS_MIN ? 4 : 2);
+}
+
+// Sub-block j's 16 bytes of nibbles
+inline const uint8_t *nibbles(const uint8_t *b, [[maybe_unused]] int j)
+{
+    return QTYPE == 23 ? b + 8 + 16 * j : fifth_bits(b) + (Q5 ? 4 : 0);
+}
+#endif
+
 inline int sub_value(const uint8_t *b, [[maybe_unused]] int j, int i)
 {
-#if QTYPE == 2 || QTYPE == 3 || IQ4
-    const uint8_t *q = b + (QTYPE == 23 ? 8 + 16 * j : HAS_MIN ? 4 : 2);
+#if NIBBLES
+    const uint8_t *q = nibbles(b, j);
     const int nibble = i < 16 ? q[i] & 0x0f : q[i - 16] >> 4;
-    return IQ4 ? IQ4_VALUES[nibble] : nibble;
-#elif Q5
-    const uint8_t *high = b + (HAS_MIN ? 4 : 2), *q = high + 4;
-    return (i < 16 ? q[i] & 0x0f : q[i - 16] >> 4) | (high[i / 8] >> i % 8 & 1) << 4;
+    return IQ4 ? IQ4_VALUES[nibble]
+         : Q5  ? nibble | (fifth_bits(b)[i / 8] >> i % 8 & 1) << 4
+               : nibble;
 #elif QTYPE == 8
     return (int8_t)b[2 + i];
 #elif QTYPE == 11
@@ -158,9 +172,9 @@ inline void sub_bytes(const uint8_t *b, [[maybe_unused]] int j, __m128i bytes[2]
     auto load = [](const uint8_t *p) {
         return _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
     };
-    const __m128i nibble = _mm_set1_epi8(0x0f);
-#if QTYPE == 2 || QTYPE == 3 || Q5 || IQ4
-    const __m128i raw = load(b + (QTYPE == 23 ? 8 + 16 * j : (HAS_MIN ? 4 : 2) + (Q5 ? 4 : 0)));
+    [[maybe_unused]] const __m128i nibble = _mm_set1_epi8(0x0f);  // all but Q8_0
+#if NIBBLES
+    const __m128i raw = load(nibbles(b, j));
     bytes[0] = _mm_and_si128(raw, nibble);
     bytes[1] = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
     if (IQ4) {  // each nibble picks its value
@@ -171,7 +185,7 @@ inline void sub_bytes(const uint8_t *b, [[maybe_unused]] int j, __m128i bytes[2]
         // the fifth bits: byte k of each half takes bit k of its 16 (a byte of them
         // copied to 8 lanes, each lane testing its own bit)
         uint32_t high;
-        std::memcpy(&high, b + (HAS_MIN ? 4 : 2), 4);
+        std::memcpy(&high, fifth_bits(b), 4);
         const __m128i bit = _mm_set1_epi64x(0x8040201008040201);
         const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
         for (int e = 0; e < 2; ++e) {
