@@ -57,6 +57,8 @@ class AttentionMetadata:
     block_size: int
     workspace: Workspace | None = None  # scratch the CPU ops reuse; None: fresh tensors
     cpu_kernels: bool = False  # CPU attention by the compiled kernels where they apply
+    # a graph's static batch: replays change its tensors' values, so no host code reads them
+    replayed: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -120,7 +122,7 @@ class AttentionMetadata:
     def shared_prefix_plan(self) -> SharedPrefixPlan | None:
         """For a decode step: the split of `SharedPrefixPlan`, or None where no sequences
         share `MIN_SHARED_KEYS` keys. Computed once per step."""
-        if not self.is_decode_only:
+        if not self.is_decode_only or self.replayed:
             return None
         # the tensors, not the host lists, which a graph's static batch sets to its bound
         bs, lens = self.block_size, self.seq_lens.tolist()

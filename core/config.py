@@ -99,6 +99,7 @@ class EngineConfig(_Section):
     max_num_batched_tokens: int = 1024
     chunked_prefill: bool = True
     cuda_graphs: bool = True
+    cpu_graphs: bool = True
     cpu_kernels: bool = True
     async_scheduling: Literal["auto", "on", "off"] = "auto"
     preemption: Literal["recompute", "swap"] = "recompute"

@@ -11,10 +11,16 @@ reference and the fallback: `load` returns None where there is no compiler or a 
 Builds land in ``$HERON_KERNEL_CACHE`` (default ``~/.cache/heron/cpu-kernels``), named by a
 hash of everything that goes into them (the headers beside the source included), written to a temporary name and renamed, so
 processes building the same library at once never load half a file.
+
+`load` gives the library's functions as `Kernel`s: ctypes functions (``argtypes`` and
+``restype`` set on them as usual) that a decode step being recorded (`heron.core.cpu_graphs`)
+sees called. A kernel's source declares a packed entry point for each function
+(`kernels/packed_cpu.h`) so that a recorded step can replay it from C.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -33,7 +39,70 @@ KERNEL_DIR = Path(__file__).resolve().parent / "ops" / "kernels"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-Wall")
 
 _LOCK = threading.Lock()
-_LIBRARIES: dict[tuple, ctypes.CDLL | None] = {}
+_LIBRARIES: dict[tuple, Library | None] = {}
+
+
+class Kernel:
+    """One function of a built library, called as the ctypes function it wraps; while this
+    thread records (`recording`), each call is shown to the recorder before it runs.
+    ``packed``: the function's packed entry point, None where the source declares none."""
+
+    __slots__ = ("function", "packed")
+
+    def __init__(self, function: ctypes._CFuncPtr, packed: ctypes._CFuncPtr | None) -> None:
+        self.function, self.packed = function, packed
+
+    def __call__(self, *args):
+        recorder = _RECORDING.recorder
+        if recorder is not None:
+            recorder.kernel(self, args)
+        return self.function(*args)
+
+    @property
+    def argtypes(self):
+        return self.function.argtypes
+
+    @argtypes.setter
+    def argtypes(self, value) -> None:
+        self.function.argtypes = value
+
+    @property
+    def restype(self):
+        return self.function.restype
+
+    @restype.setter
+    def restype(self, value) -> None:
+        self.function.restype = value
+
+
+class Library:
+    """A built library: its functions, by name, as `Kernel`s."""
+
+    def __init__(self, cdll: ctypes.CDLL) -> None:
+        self.cdll = cdll
+
+    def __getattr__(self, name: str) -> Kernel:
+        kernel = Kernel(getattr(self.cdll, name), getattr(self.cdll, name + "_packed", None))
+        setattr(self, name, kernel)  # later lookups find the attribute, not this method
+        return kernel
+
+
+class _Recording(threading.local):
+    recorder = None
+
+
+_RECORDING = _Recording()
+
+
+@contextlib.contextmanager
+def recording(recorder):
+    """Show this thread's kernel calls to ``recorder.kernel(kernel, args)`` (before each
+    runs) while the block runs."""
+    previous, _RECORDING.recorder = _RECORDING.recorder, recorder
+    try:
+        yield recorder
+    finally:
+        _RECORDING.recorder = previous
 
 
 def cache_dir() -> Path:
@@ -52,7 +121,7 @@ def compiler() -> list[str] | None:
 
 
 def load(source: str, defines: Mapping[str, Any] | None = None,
-         vec_floats: int | None = None) -> ctypes.CDLL | None:
+         vec_floats: int | None = None) -> Library | None:
     """The library built from ``KERNEL_DIR / source`` with ``defines``; None where it
     cannot be built. Builds at most once per process (a failure is remembered too).
     ``vec_floats`` (8, 16): vectors of that many floats (`vec_cpu.h`'s ``VEC_FLOATS``)
@@ -65,7 +134,7 @@ def load(source: str, defines: Mapping[str, Any] | None = None,
         return _LIBRARIES[key]
 
 
-def _build(path: Path, defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL | None:
+def _build(path: Path, defines: tuple[tuple[str, str], ...]) -> Library | None:
     cxx = compiler()
     if cxx is None:
         log.warning("no C++ compiler found (set CXX): %s not built, torch ops instead",
@@ -84,7 +153,7 @@ def _build(path: Path, defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL | No
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             _compile(cxx, path, flags, target)
-        return ctypes.CDLL(str(target))
+        return Library(ctypes.CDLL(str(target)))
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("%s not built (%s), torch ops instead", path.name, e)
         return None

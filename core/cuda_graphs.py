@@ -36,9 +36,10 @@ class StaticDecodeInputs:
     Device-agnostic, so CPU tests run a family's forward on exactly what a graph replays."""
 
     def __init__(self, *, max_num_seqs: int, max_context_len: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, cpu_kernels: bool = False) -> None:
         self.sizes = batch_size_ladder(max_num_seqs)
         self.block_size = block_size
+        self.cpu_kernels = cpu_kernels  # the static batch's `AttentionMetadata.cpu_kernels`
         self.max_blocks = -(-max_context_len // block_size)
         self.max_context_len = self.max_blocks * block_size
         n = self.sizes[-1]
@@ -97,7 +98,8 @@ class StaticDecodeInputs:
             slot_mapping=slots[:size], query_start_loc=self.query_start_loc[:size + 1],
             seq_lens=seq_lens[:size], block_tables=self.block_tables[:size],
             query_lens_list=[1] * size, seq_lens_list=[bound] * size, max_query_len=1,
-            max_seq_len=bound, block_size=self.block_size)
+            max_seq_len=bound, block_size=self.block_size, cpu_kernels=self.cpu_kernels,
+            replayed=True)
         state_slots, lora_slots = ((self.no_slots, self.no_slots) if padding
                                    else (self.state_slots, self.lora_slots))
         return Batch(seqs=[], input_ids=self.input_ids[:size], positions=self.positions[:size],

@@ -154,6 +154,13 @@ class Engine:
             self.graphs = DecodeGraphs(self.runner.forward, max_num_seqs=engine.max_num_seqs,
                                        max_context_len=self.max_model_len,
                                        block_size=engine.block_size, device=self.device)
+        elif (self.device.type == "cpu" and engine.cpu_graphs and self.pooler is None
+                and self.runner.supports_cpu_graphs):
+            from heron.core.cpu_graphs import CpuDecodeGraphs
+            self.graphs = CpuDecodeGraphs(self.runner.forward, max_num_seqs=engine.max_num_seqs,
+                                          max_context_len=self.max_model_len,
+                                          block_size=engine.block_size,
+                                          cpu_kernels=self.cpu_kernels)
         self.proposer: Proposer | None = None
         self.async_scheduling = engine.async_scheduling == "on" or (
             engine.async_scheduling == "auto" and self.device.type == "cuda")

@@ -79,6 +79,10 @@ class ModelRunner(ABC):
     #: True when `forward` is graph-safe for decode batches (see `heron.core.cuda_graphs`);
     #: the engine then replays captured CUDA graphs for decode steps.
     supports_cuda_graphs: bool = False
+    #: True when `forward` is also safe to record and replay on the CPU (see
+    #: `heron.core.cpu_graphs`): graph-safe, no host reads of tensor values, and kernel
+    #: pointers only to tensors made in the step or that outlive it.
+    supports_cpu_graphs: bool = False
     #: False when a generated token's KV or state is computed differently from the same
     #: token's in a prompt (so what decode wrote differs from a recompute of that text): the
     #: prefix cache then keeps only the prompt tokens of each sequence.

@@ -21,11 +21,19 @@ def make_engine(path, **overrides) -> Engine:
     return Engine(engine_config(path, **overrides))
 
 
+def eager_steps(engine: Engine) -> Engine:
+    """``engine`` with every step through ``engine.runner.forward``, for a test that wraps
+    it: a replayed decode step (`heron.core.cpu_graphs`) calls no forward."""
+    engine.graphs = None
+    return engine
+
+
 class LogitsRecorder:
     """Wraps a runner's forward (calling through) and keeps each logits row by
     ``(request_id, position)`` of the token whose row it is."""
 
     def __init__(self, engine: Engine) -> None:
+        eager_steps(engine)
         self.rows: dict[tuple[str, int], torch.Tensor] = {}
         self._forward = engine.runner.forward
         engine.runner.forward = self.forward

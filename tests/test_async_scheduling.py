@@ -9,7 +9,7 @@ import pytest
 
 from heron.core.sampling_params import SamplingParams, StructuredOutput
 from heron.core.sequence import SequenceStatus
-from tests.engine_utils import assert_no_leaks, make_engine, run_to_end
+from tests.engine_utils import assert_no_leaks, eager_steps, make_engine, run_to_end
 from tests.hybrid_models import build_hybrid
 from tests.lora_models import build_adapter
 from tests.nllb_models import build_translator, corpus
@@ -216,7 +216,7 @@ def test_steps_launch_before_the_tokens_land(llama):
     a token found a step late runs one step more."""
     for engine in engines(llama):
         calls, delivered = [], []
-        forward = engine.runner.forward
+        forward = eager_steps(engine).runner.forward
 
         def counting(batch, forward=forward):
             calls.append(len(delivered))

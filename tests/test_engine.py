@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from heron.core.sampling_params import SamplingParams
-from tests.engine_utils import assert_no_leaks, make_engine
+from tests.engine_utils import assert_no_leaks, eager_steps, make_engine
 from tests.tiny_models import build_tiny
 
 
@@ -132,7 +132,7 @@ def test_abort_mid_prefill_and_mid_decode_frees_everything(engine):
 
 
 def test_a_family_fault_fails_only_that_step_and_frees(model_dir):
-    engine = make_engine(model_dir)
+    engine = eager_steps(make_engine(model_dir))
     real_forward = engine.runner.forward
     calls = {"n": 0}
 

@@ -14,7 +14,7 @@ import torch
 
 from heron.core.cuda_graphs import StaticDecodeInputs
 from heron.core.sampling_params import SamplingParams
-from tests.engine_utils import make_engine, run_to_end
+from tests.engine_utils import eager_steps, make_engine, run_to_end
 from tests.hybrid_models import build_hybrid
 from tests.lora_models import build_standard_adapters
 from tests.tiny_models import build_tiny
@@ -28,7 +28,7 @@ class StaticReplay:
     would not replay, with whether their static run differed."""
 
     def __init__(self, engine) -> None:
-        self.engine, self.runner = engine, engine.runner
+        self.engine, self.runner = eager_steps(engine), engine.runner
         self.inputs = StaticDecodeInputs(
             max_num_seqs=engine.config.engine.max_num_seqs,
             max_context_len=engine.max_model_len,

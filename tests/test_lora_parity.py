@@ -9,7 +9,8 @@ import torch
 
 from heron.core.lora import AdapterError
 from heron.core.sampling_params import SamplingParams
-from tests.engine_utils import LogitsRecorder, assert_no_leaks, make_engine, relative_logit_error
+from tests.engine_utils import (LogitsRecorder, assert_no_leaks, eager_steps, make_engine,
+                                relative_logit_error)
 from tests.lora_models import (ATTENTION, MLP, STANDARD, build_adapter,
                                build_standard_adapters, greedy, peft_oracle)
 from tests.tiny_models import build_tiny
@@ -68,7 +69,7 @@ def run_together(engine, jobs):
 def count_adapters_per_step(engine) -> list[int]:
     """Wraps the runner's forward; the returned list grows by the number of adapters in
     each step's batch."""
-    counts, forward = [], engine.runner.forward
+    counts, forward = [], eager_steps(engine).runner.forward
 
     def spy(batch):
         counts.append(len({group[0] for group in batch.lora_groups}))  # distinct slots

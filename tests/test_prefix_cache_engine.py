@@ -13,7 +13,7 @@ import torch
 
 from heron.core.sampling_params import SamplingParams
 from heron.core.sequence import SequenceStatus
-from tests.engine_utils import assert_no_leaks, make_engine, run_one, run_to_end
+from tests.engine_utils import assert_no_leaks, eager_steps, make_engine, run_one, run_to_end
 from tests.tiny_models import build_tiny
 
 BS = 16
@@ -81,8 +81,9 @@ def test_decoding_beside_requests_with_the_same_prefix_reads_it_once(model_dir, 
     calls = []
     monkeypatch.setattr(attention, "_shared_prefix_decode",
                         lambda *a: calls.append(a[3]) or split(*a))
-    # the torch ops' decode (the compiled CPU kernel reads every context whole, faster)
-    engine = engine_for(model_dir, **{"engine.cpu_kernels": False})
+    # the torch ops' decode (the compiled CPU kernel reads every context whole, faster),
+    # eager (a replayed step reads no host values, so makes no plan)
+    engine = eager_steps(engine_for(model_dir, **{"engine.cpu_kernels": False}))
     run(engine, PREFIX + tokens(5, seed=20))  # caches the prefix
     prompts = {f"p{i}": PREFIX[:700 + 100 * i] + tokens(10 + i, seed=30 + i) for i in range(4)}
     prompts["other"] = tokens(300, seed=40)
@@ -147,7 +148,7 @@ def test_prompt_logprobs_cover_every_position_on_a_warm_cache(model_dir, cold):
 
 
 def test_a_failed_step_caches_only_what_was_written(model_dir, cold):
-    engine = engine_for(model_dir, **{"engine.max_num_batched_tokens": 64})
+    engine = eager_steps(engine_for(model_dir, **{"engine.max_num_batched_tokens": 64}))
     prompt = PREFIX[:200]
     forward, calls = engine.runner.forward, []
 

@@ -13,6 +13,7 @@ import pytest
 
 from heron.core.config import ConfigError
 from heron.core.engine import Engine
+from tests.engine_utils import eager_steps
 from tests.server_utils import ServerThread, server_config
 from tests.tiny_models import build_tiny
 
@@ -51,7 +52,7 @@ class SlowForward:
     does while it computes), so that a tiny model's request outlives a short deadline."""
 
     def __init__(self, engine: Engine, delay_s: float) -> None:
-        self.engine, self.real, self.delay_s = engine, engine.runner.forward, delay_s
+        self.engine, self.real, self.delay_s = engine, eager_steps(engine).runner.forward, delay_s
         engine.runner.forward = self
 
     def __call__(self, batch):

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from heron.core.engine import Engine
+from tests.engine_utils import eager_steps
 from tests.server_utils import ServerThread, server_config
 from tests.tiny_models import build_tiny
 
@@ -41,7 +42,7 @@ class FaultyForward:
     does while it computes)."""
 
     def __init__(self, engine: Engine) -> None:
-        self.engine, self.real = engine, engine.runner.forward
+        self.engine, self.real = engine, eager_steps(engine).runner.forward
         self.fail, self.delay_s = threading.Event(), 0.0
         engine.runner.forward = self
 

@@ -140,12 +140,13 @@ def _compiled_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float)
     query = _as(q, torch.float32).contiguous()
     out = torch.empty_like(query)
     kv_heads = k_cache.shape[-2]
-    tasks = 4 * torch.get_num_threads()
-    part_keys = min(PART_KEYS_MAX, max(PART_KEYS_MIN, -(-sum(meta.seq_lens_list) // tasks)))
+    # the kernel sizes its tasks by the lengths it reads, not the host's copy of them, which
+    # a replayed step's batch has at its bound
     failed = _kernels(head_dim, k_cache.dtype).heron_decode_attention(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         tables.stride(0), lens.data_ptr(), num_seqs, kv_heads, heads // kv_heads,
-        meta.block_size, scale, part_keys, out.data_ptr())
+        meta.block_size, scale, PART_KEYS_MIN, PART_KEYS_MAX, 4 * torch.get_num_threads(),
+        out.data_ptr())
     return None if failed else _as(out, q.dtype)
 
 
@@ -192,7 +193,8 @@ def _kernels(head_dim: int, dtype: torch.dtype, vec_floats: int | None = None):
     if lib is None:
         return None
     p, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
-    lib.heron_decode_attention.argtypes = [p, p, p, p, i64, p, i32, i32, i32, i32, f32, i32, p]
+    lib.heron_decode_attention.argtypes = [p, p, p, p, i64, p, i32, i32, i32, i32, f32, i32,
+                                           i32, i32, p]
     lib.heron_prefill_attention.argtypes = [p, p, p, p, i64, p, p, p, i32, i32, i32, i32, f32,
                                             p]
     lib.heron_decode_attention.restype = lib.heron_prefill_attention.restype = ctypes.c_int

@@ -13,6 +13,7 @@ from heron.plugins.transformer.model import TransformerModel
 
 class TransformerRunner(ModelRunner):
     supports_cuda_graphs = True
+    supports_cpu_graphs = True
     supports_hidden_states = True
 
     def __init__(self, model: TransformerModel, info: ModelInfo) -> None:

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "act_cpu.h"
+#include "packed_cpu.h"
 
 namespace {
 
@@ -49,3 +50,5 @@ extern "C" void heron_silu_and_mul(const elem_t *x, int64_t x_stride, elem_t *ou
     for (int64_t r = 0; r < rows; ++r)
         row(x + r * x_stride, x + r * x_stride + d, out + r * d, d);
 }
+
+HERON_PACKED(heron_silu_and_mul)

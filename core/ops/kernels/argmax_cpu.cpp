@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "vec_cpu.h"
+#include "packed_cpu.h"
 
 namespace {
 
@@ -52,3 +53,5 @@ extern "C" void heron_checked_argmax(const float *logits, int64_t stride, int64_
     for (int64_t r = 0; r < rows; ++r)
         out[r] = row_argmax(logits + r * stride, vocab, failed);
 }
+
+HERON_PACKED(heron_checked_argmax)

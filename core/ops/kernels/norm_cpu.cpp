@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "act_cpu.h"
+#include "packed_cpu.h"
 
 namespace {
 
@@ -58,3 +59,5 @@ extern "C" void heron_rms_norm(const elem_t *x, int64_t x_stride, const elem_t *
         norm_row(x + r * x_stride, residual ? residual + r * res_stride : nullptr, weight,
                  out + r * n, residual_out + r * n, n, eps);
 }
+
+HERON_PACKED(heron_rms_norm)

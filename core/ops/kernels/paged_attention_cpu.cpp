@@ -29,6 +29,7 @@
 #include <cstring>
 
 #include "vec_cpu.h"
+#include "packed_cpu.h"
 
 #ifndef HEAD_DIM
 #error "HEAD_DIM must be defined"
@@ -121,13 +122,19 @@ void attend_part(Sequence seq, const cache_t *k_cache, const cache_t *v_cache, i
 
 }  // namespace
 
-// Returns 0, or -1 if scratch could not be allocated (nothing written then).
+// Returns 0, or -1 if scratch could not be allocated (nothing written then). Tasks cover
+// parts of part_keys keys: all sequences' keys shared by `tasks`, within [part_min,
+// part_max] (every thread gets several tasks, none too short to be worth one).
 extern "C" int heron_decode_attention(
     const float *q, const cache_t *k_cache, const cache_t *v_cache, const int32_t *block_tables,
     int64_t table_stride, const int32_t *seq_lens, int num_seqs, int num_kv_heads, int group,
-    int block_size, float scale, int part_keys, float *out)
+    int block_size, float scale, int part_min, int part_max, int tasks, float *out)
 {
     const int H = num_kv_heads, G = group, Hq = H * G, B = num_seqs;
+    int64_t keys = 0;
+    for (int b = 0; b < B; ++b) keys += seq_lens[b];
+    const int64_t even = (keys + tasks - 1) / tasks;
+    const int part_keys = even < part_min ? part_min : even > part_max ? part_max : (int)even;
     // task i covers keys [(i - first[b]) * part_keys, ...) of sequence b = owner[i]
     int num_tasks = 0;
     for (int b = 0; b < B; ++b) num_tasks += (seq_lens[b] + part_keys - 1) / part_keys;
@@ -389,3 +396,6 @@ extern "C" int heron_prefill_attention(
     std::free(tile_seq);
     return failed ? -1 : 0;
 }
+
+HERON_PACKED(heron_decode_attention)
+HERON_PACKED(heron_prefill_attention)

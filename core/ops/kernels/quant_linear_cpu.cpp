@@ -25,6 +25,7 @@
 #endif
 
 #include "vec_cpu.h"
+#include "packed_cpu.h"
 
 namespace {
 
@@ -569,3 +570,7 @@ extern "C" void heron_dequantize(const uint8_t *w, float *out, int64_t N, int64_
         for (int64_t b = 0; b < K / BLOCK_VALUES; ++b)
             dequantize(w + n * row_bytes + b * BLOCK_BYTES, out + n * K + b * BLOCK_VALUES);
 }
+
+HERON_PACKED(heron_quant_linear_int8)
+HERON_PACKED(heron_quant_linear)
+HERON_PACKED(heron_dequantize)

@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "vec_cpu.h"
+#include "packed_cpu.h"
 
 // Each product rounds before the sum, as in torch's separate ops: the same bits as the torch
 // path, not a fused multiply-add's
@@ -84,3 +85,5 @@ extern "C" int heron_rotary_write_kv(
     }
     return 0;
 }
+
+HERON_PACKED(heron_rotary_write_kv)
