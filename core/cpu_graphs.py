@@ -26,6 +26,7 @@ import ctypes
 import functools
 import logging
 import struct
+from itertools import groupby
 from typing import Callable
 
 import torch
@@ -137,13 +138,14 @@ class _KernelRun:
     """Consecutive kernel calls, replayed by one C call."""
 
     def __init__(self, calls: list[_KernelCall]) -> None:
+        self.replay = _replay_kernel()
         self.words = [(ctypes.c_int64 * len(c.words))(*c.words) for c in calls]
         self.kernels = (ctypes.c_void_p * len(calls))(*(c.address for c in calls))
         self.pointers = (ctypes.c_void_p * len(calls))(*map(ctypes.addressof, self.words))
         self.count = len(calls)
 
     def __call__(self) -> bool:
-        return _replay_kernel()(self.kernels, self.pointers, self.count) == 0
+        return self.replay(self.kernels, self.pointers, self.count) == 0
 
 
 class CpuGraph:
@@ -153,17 +155,8 @@ class CpuGraph:
     def __init__(self, recorder: _Recorder, output: torch.Tensor) -> None:
         self.made, self.output = recorder.made, output
         self.runs: list[Callable[[], bool]] = []
-        kernels: list[_KernelCall] = []
-        for call in recorder.calls:
-            if isinstance(call, _KernelCall):
-                kernels.append(call)
-                continue
-            if kernels:
-                self.runs.append(_KernelRun(kernels))
-                kernels = []
-            self.runs.append(call)
-        if kernels:
-            self.runs.append(_KernelRun(kernels))
+        for is_kernel, calls in groupby(recorder.calls, lambda c: isinstance(c, _KernelCall)):
+            self.runs += [_KernelRun(list(calls))] if is_kernel else calls
 
     @torch.inference_mode()
     def replay(self) -> bool:

@@ -42,12 +42,20 @@ _LOCK = threading.Lock()
 _LIBRARIES: dict[tuple, Library | None] = {}
 
 
+def _of_function(name: str) -> property:
+    """The wrapped ctypes function's attribute ``name``, read and set through the wrapper."""
+    return property(lambda self: getattr(self.function, name),
+                    lambda self, value: setattr(self.function, name, value))
+
+
 class Kernel:
     """One function of a built library, called as the ctypes function it wraps; while this
     thread records (`recording`), each call is shown to the recorder before it runs.
     ``packed``: the function's packed entry point, None where the source declares none."""
 
     __slots__ = ("function", "packed")
+    argtypes = _of_function("argtypes")
+    restype = _of_function("restype")
 
     def __init__(self, function: ctypes._CFuncPtr, packed: ctypes._CFuncPtr | None) -> None:
         self.function, self.packed = function, packed
@@ -57,22 +65,6 @@ class Kernel:
         if recorder is not None:
             recorder.kernel(self, args)
         return self.function(*args)
-
-    @property
-    def argtypes(self):
-        return self.function.argtypes
-
-    @argtypes.setter
-    def argtypes(self, value) -> None:
-        self.function.argtypes = value
-
-    @property
-    def restype(self):
-        return self.function.restype
-
-    @restype.setter
-    def restype(self, value) -> None:
-        self.function.restype = value
 
 
 class Library:
