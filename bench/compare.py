@@ -5,11 +5,11 @@ Each system serves SmolLM2-135M-Instruct on this machine and gets the same load 
 exactly ``--max-tokens`` tokens) at each concurrency, then is stopped before the next starts.
 Systems (a peer that is not set up is skipped, saying why; ``bench/peers/setup_*.sh``):
 
-- heron, fp32 (``--dtype``), the Q4_1 GGUF dequantized at load; ``heron-q4_1``: its weights
-  kept quantized (``model.keep_quantized``), float32 activations; ``heron-q4_1-int8``: and
-  decode batches' activations rounded to int8 (``keep_quantized = "int8"``);
-  ``heron-q4_k_m``: kept quantized, the GGUF requantized to Q4_K_M by llama.cpp's quantizer
-  (`bench.peers.models.requantized_gguf`);
+- heron, fp32 (``--dtype``), the Q4_1 GGUF dequantized at load (``keep_quantized = false``);
+  ``heron-q4_1``: its weights kept quantized (the default), float32 activations;
+  ``heron-q4_1-int8``: and decode batches' activations rounded to int8
+  (``keep_quantized = "int8"``); ``heron-q4_k_m`` and ``heron-q4_k_m-int8``: the same on the
+  GGUF requantized to Q4_K_M by llama.cpp's quantizer (`bench.peers.models.requantized_gguf`);
 - vLLM's CPU build, fp32 (``--dtype``), an HF directory of the same dequantized weights, tuned
   as its CPU docs advise (tcmalloc and Intel OpenMP preloaded, OpenMP threads bound to the
   cores);
@@ -308,8 +308,13 @@ def main() -> None:
 
     gguf = ensure_default_model()
 
-    def q4_k_m() -> Path:
-        return requantized_gguf(gguf, "Q4_K_M", PEERS / "llama.cpp/bin/libllama.so")
+    def on_q4_k_m(name: str, make) -> System:
+        """``make`` on the default model requantized to Q4_K_M by llama.cpp's library."""
+        libllama = PEERS / "llama.cpp/bin/libllama.so"
+        if not libllama.exists():
+            return System(name, "Q4_K_M", [], missing="run bench/peers/setup_llamacpp.sh "
+                                                      "(its library makes the Q4_K_M file)")
+        return make(requantized_gguf(gguf, "Q4_K_M", libllama))
 
     makers = {
         "heron": lambda port: heron(gguf, port, args.threads, max_seqs, args.dtype),
@@ -318,11 +323,13 @@ def main() -> None:
         "heron-q4_1-int8": lambda port: heron(gguf, port, args.threads, max_seqs,
                                               keep_quantized="int8"),
         "vllm": lambda port: vllm(hf_dir(gguf), port, args.threads, max_seqs, args.dtype),
-        "heron-q4_k_m": lambda port: heron(q4_k_m(), port, args.threads, max_seqs,
-                                           keep_quantized=True, file_type="Q4_K_M"),
+        "heron-q4_k_m": lambda port: on_q4_k_m("heron-q4_k_m", lambda path: heron(
+            path, port, args.threads, max_seqs, keep_quantized=True, file_type="Q4_K_M")),
+        "heron-q4_k_m-int8": lambda port: on_q4_k_m("heron-q4_k_m-int8", lambda path: heron(
+            path, port, args.threads, max_seqs, keep_quantized="int8", file_type="Q4_K_M")),
         "llama.cpp-q4_1": lambda port: llama_cpp(gguf, "Q4_1", port, args.threads, max_seqs),
-        "llama.cpp-q4_k_m": lambda port: llama_cpp(q4_k_m(), "Q4_K_M", port, args.threads,
-                                                   max_seqs),
+        "llama.cpp-q4_k_m": lambda port: on_q4_k_m("llama.cpp-q4_k_m", lambda path: llama_cpp(
+            path, "Q4_K_M", port, args.threads, max_seqs)),
         "llama.cpp-f32": lambda port: llama_cpp(f32_gguf(gguf), "F32", port, args.threads,
                                                 max_seqs),
         "transformers": lambda port: transformers_serve(hf_dir_without_eos(gguf), port,

@@ -79,7 +79,7 @@ class ModelConfig(_Section):
     # weights stay quantized on the CPU in float32 (`heron.core.ops.quantized`); "int8": and
     # batches of up to 16 rows (4 for Q5, K-quants and IQ4_XS) are quantized to 8 bits a value
     # to multiply them in integers (not exact); false: every weight is dequantized at load
-    keep_quantized: bool | Literal["int8"] = False
+    keep_quantized: bool | Literal["int8"] = True
 
     def _checks(self):
         return (("max_model_len", self.max_model_len is None or self.max_model_len >= 1,
