@@ -12,6 +12,7 @@ told otherwise) as the base64 of their little-endian float32 bytes.
 from __future__ import annotations
 
 import base64
+from dataclasses import dataclass
 
 import torch
 from aiohttp import web
@@ -39,29 +40,69 @@ def refuse_embedding_model(app: web.Application, route: str) -> None:
                           code="embedding_model")
 
 
+def require_embedding_model(app: web.Application, route: str) -> None:
+    if not is_embedding_model(app):
+        raise bad_request(f"the model `{app[MODEL_NAME]}` generates text: {route} is only for "
+                          "embedding models (model.task = \"embed\")", param="model",
+                          code="not_an_embedding_model")
+
+
+@dataclass
+class Pooled:
+    """The vectors of one call's inputs, in order, and what its response names."""
+
+    id: str
+    created: int
+    model: str
+    vectors: list[torch.Tensor]
+    usage: EmbeddingUsage
+
+
+async def pool(request: web.Request, kind: str, inputs: list[list[int]], priority: int,
+               adapter: str | None) -> Pooled:
+    """Embed ``inputs`` (checked: `check_lengths`) as one call's engine requests, which run
+    in the same steps; a failure is raised as the error the client gets."""
+    app = request.app
+    params = validated(SamplingParams(max_tokens=1, priority=priority),
+                       priorities=app[CONFIG].engine.scheduling_policy == "priority")
+    async with Generation(request, kind, inputs, params, adapter=adapter) as gen:
+        await gen.run_to_end()
+        if (error := gen.failure()) is not None:
+            raise error
+        tokens = gen.num_prompt_tokens
+        return Pooled(gen.id, gen.created, gen.model,
+                      [gen.embeddings[p] for p in range(len(inputs))],
+                      EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+
+def check_lengths(app: web.Application, inputs: list[list[int]], field: str) -> None:
+    """A 400 for the first of a request ``field``'s inputs longer than the model embeds."""
+    limit = app[ASYNC_ENGINE].engine.limits.max_embedding_len
+    for i, ids in enumerate(inputs):
+        if len(ids) > limit:
+            where = field if len(inputs) == 1 else f"{field}[{i}]"
+            raise bad_request(f"`{where}` is {len(ids)} tokens; this model embeds at most "
+                              f"{limit}", param=where, code="context_length_exceeded")
+
+
 async def create_embedding(request: web.Request) -> web.Response:
     app = request.app
-    if not is_embedding_model(app):
-        raise bad_request(f"the model `{app[MODEL_NAME]}` generates text: /v1/embeddings is "
-                          "only for embedding models (model.task = \"embed\")", param="model",
-                          code="not_an_embedding_model")
+    require_embedding_model(app, "/v1/embeddings")
     req = await decode_body(request, EmbeddingRequest)
     adapter = check_model(app, req.model)
     inputs = _inputs(app, req)
     inputs = truncate_prompts(inputs, req, app[ASYNC_ENGINE].engine.limits.max_embedding_len)
-    _check_sizes(app, req, inputs)
-    params = validated(SamplingParams(max_tokens=1, priority=req.priority),
-                       priorities=app[CONFIG].engine.scheduling_policy == "priority")
-    async with Generation(request, "embd", inputs, params, adapter=adapter) as gen:
-        await gen.run_to_end()
-        if (error := gen.failure()) is not None:
-            raise error
-        data = [Embedding(index=p, embedding=_encoded(gen.embeddings[p], req.encoding_format))
-                for p in range(len(inputs))]
-        tokens = gen.num_prompt_tokens
-        body = EmbeddingResponse(id=gen.id, created=gen.created, model=gen.model, data=data,
-                                 usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
-        return json_response(body)
+    width = app[ASYNC_ENGINE].engine.runner.info.hidden_size
+    if req.dimensions is not None and req.dimensions != width:
+        raise bad_request(f"`dimensions` is {req.dimensions}; this model's embeddings have "
+                          f"{width} and are not shortened", param="dimensions")
+    check_queue_room(app, inputs, "input")
+    check_lengths(app, inputs, "input")
+    pooled = await pool(request, "embd", inputs, req.priority, adapter)
+    data = [Embedding(index=p, embedding=_encoded(v, req.encoding_format))
+            for p, v in enumerate(pooled.vectors)]
+    return json_response(EmbeddingResponse(id=pooled.id, created=pooled.created,
+                                           model=pooled.model, data=data, usage=pooled.usage))
 
 
 def _inputs(app: web.Application, req: EmbeddingRequest) -> list[list[int]]:
@@ -75,20 +116,6 @@ def _inputs(app: web.Application, req: EmbeddingRequest) -> list[list[int]]:
                         continue_final_message=req.continue_final_message,
                         add_special_tokens=req.add_special_tokens,
                         template_kwargs=req.chat_template_kwargs)]
-
-
-def _check_sizes(app: web.Application, req: EmbeddingRequest, inputs: list[list[int]]) -> None:
-    engine = app[ASYNC_ENGINE].engine
-    width, limit = engine.runner.info.hidden_size, engine.limits.max_embedding_len
-    if req.dimensions is not None and req.dimensions != width:
-        raise bad_request(f"`dimensions` is {req.dimensions}; this model's embeddings have "
-                          f"{width} and are not shortened", param="dimensions")
-    check_queue_room(app, inputs, "input")
-    for i, ids in enumerate(inputs):
-        if len(ids) > limit:
-            where = "input" if len(inputs) == 1 else f"input[{i}]"
-            raise bad_request(f"`{where}` is {len(ids)} tokens; this model embeds at most "
-                              f"{limit}", param=where, code="context_length_exceeded")
 
 
 def _encoded(vector: torch.Tensor, encoding_format: str) -> list[float] | str:

@@ -341,6 +341,33 @@ class EmbeddingRequest(_Body, kw_only=True):
     user: str | None = None  # accepted and ignored
 
 
+class ScoreRequest(_Body, kw_only=True):
+    """vLLM's /score (embedding models): ``text_1`` and ``text_2`` are each a text, a list of
+    texts or token ids (as a completion's ``prompt``); one ``text_1`` is scored against
+    every ``text_2``, else they pair up in order (1:1, 1:N or N:N)."""
+
+    model: str | None = None
+    text_1: str | list[Any]
+    text_2: str | list[Any]
+    truncate_prompt_tokens: TruncatePromptTokens = None
+    truncation_side: TruncationSide = None
+    priority: Priority = 0
+
+
+class RerankRequest(_Body, kw_only=True):
+    """vLLM's (and Cohere's, Jina's) /rerank (embedding models): ``documents`` ranked by
+    their relevance to ``query``; ``top_n`` > 0 keeps that many of the most relevant."""
+
+    model: str | None = None
+    query: str | list[int]
+    documents: list[Any]
+    top_n: Annotated[int, Meta(ge=0)] = 0
+    return_documents: bool = True
+    truncate_prompt_tokens: TruncatePromptTokens = None
+    truncation_side: TruncationSide = None
+    priority: Priority = 0
+
+
 class TokenizeRequest(_Body, kw_only=True):
     """vLLM's /tokenize: either ``prompt`` or chat ``messages`` (with the chat request's
     template fields: ``tools``, ``chat_template_kwargs``...)."""

@@ -226,6 +226,40 @@ class EmbeddingResponse(_Out, kw_only=True):
     usage: EmbeddingUsage
 
 
+# -- /score and /rerank ------------------------------------------------------------------
+
+class Score(_Out, kw_only=True):
+    object: Literal["score"] = "score"
+    index: int  # of the pair
+    score: float
+
+
+class ScoreResponse(_Out, kw_only=True):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[Score]
+    usage: EmbeddingUsage
+
+
+class RerankDocument(_Out, kw_only=True):
+    text: str
+
+
+class RerankResult(_Out, kw_only=True, omit_defaults=True):
+    index: int  # of the document in the request
+    relevance_score: float
+    document: RerankDocument | None = None  # unless ``return_documents`` is false
+
+
+class RerankResponse(_Out, kw_only=True):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: EmbeddingUsage
+
+
 # -- other routes ------------------------------------------------------------------------
 
 class ModelCard(_Out, kw_only=True):

@@ -12,6 +12,7 @@ from heron.server.info import health, list_models, metrics, openapi, retrieve_mo
 from heron.server.lora import load_lora_adapter, unload_lora_adapter
 from heron.server.responses_api import (cancel_response, create_response, delete_response,
                                         list_input_items, retrieve_response)
+from heron.server.scores import create_rerank, create_score
 from heron.server.tokenize import detokenize, tokenize
 from heron.server.translations import create_translation
 
@@ -33,6 +34,10 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
     app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     app.router.add_post("/v1/embeddings", create_embedding)
+    for path in ("/score", "/v1/score"):
+        app.router.add_post(path, create_score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.router.add_post(path, create_rerank)
     app.router.add_post("/v1/translations", create_translation)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
