@@ -156,6 +156,8 @@ def test_a_view_that_copies_is_repeated():
 
 @pytest.mark.parametrize("unrepeatable", [
     lambda x: x * x.sum().item(),              # a value read on the host
+    lambda x: x * 2 if (x > 9).any() else x,   # a branch on one (bool: is_nonzero, untagged)
+    lambda x: x * torch.equal(x, x.abs()),     # a bool out of two tensors
     lambda x: x + torch.rand(x.shape),         # random numbers
     lambda x: F.scaled_dot_product_attention(x[None], x[None], x[None], dropout_p=0.5)[0],
     lambda x: x[x > 0].sum(0, keepdim=True),   # a shape that depends on values
