@@ -65,15 +65,15 @@ def hf_greedy(model, gate: ReasoningGate, budget: int | None) -> list[int]:
     return tokens
 
 
-def unused(free: list[int]) -> int:
-    """A token the free output never writes: the thinking's end, which it never reaches."""
-    return next(t for t in range(3, 300) if t not in free)
+def unused(free: list[int], nth: int = 0) -> int:
+    """The ``nth`` token the free output never writes (a thinking's end it never reaches)."""
+    return [t for t in range(3, 300) if t not in free][nth]
 
 
 @pytest.mark.parametrize("budget", [0, 1, 5, MAX_TOKENS])
 def test_a_thinking_open_from_the_prompt_ends_at_its_budget(tiny, engine, free, budget):
     _, model = tiny
-    gate = ReasoningGate(start_token_id=unused(free), end_token_id=unused(free) + 1, open=True)
+    gate = ReasoningGate(start_token_id=unused(free), end_token_id=unused(free, 1), open=True)
     tokens = greedy(engine, gate, budget)
     assert tokens == hf_greedy(model, gate, budget)
     if budget < MAX_TOKENS:
@@ -104,7 +104,7 @@ def test_the_thinking_ends_by_itself_within_its_budget(tiny, engine, free):
 
 
 def test_seeded_sampling_keeps_its_draws_up_to_the_forced_end(engine, free):
-    gate = ReasoningGate(start_token_id=unused(free), end_token_id=unused(free) + 1, open=True)
+    gate = ReasoningGate(start_token_id=unused(free), end_token_id=unused(free, 1), open=True)
     kw = dict(max_tokens=MAX_TOKENS, temperature=1.0, seed=7, n=2)
     plain = engine.generate([PROMPT], SamplingParams(**kw))[0].outputs
     capped = engine.generate([PROMPT], SamplingParams(**kw, reasoning=gate,
@@ -121,7 +121,7 @@ def test_drafts_past_the_budget_give_way_to_the_end(tiny, free, proposer):
     """Drafts that run on through the budget are rejected where the end is forced: the
     tokens are those without speculation."""
     path, _ = tiny
-    gate = ReasoningGate(start_token_id=unused(free), end_token_id=unused(free) + 1, open=True)
+    gate = ReasoningGate(start_token_id=unused(free), end_token_id=unused(free, 1), open=True)
     budgets = [2, 5, 9]
     expected = [greedy(make_engine(path), gate, b) for b in budgets]
     engine = make_engine(path, **NGRAM)
@@ -134,14 +134,14 @@ def test_drafts_past_the_budget_give_way_to_the_end(tiny, free, proposer):
 
 
 def test_async_scheduling_forces_the_same_end(tiny, engine, free):
-    gate = ReasoningGate(start_token_id=unused(free), end_token_id=unused(free) + 1, open=True)
+    gate = ReasoningGate(start_token_id=unused(free), end_token_id=unused(free, 1), open=True)
     overlapped = make_engine(tiny[0], **{"engine.async_scheduling": "on"})
     assert greedy(overlapped, gate, 4) == greedy(engine, gate, 4)
     assert_no_leaks(overlapped)
 
 
 def test_a_grammar_holds_the_answer_after_a_capped_thinking(engine, free):
-    gate = ReasoningGate(start_token_id=unused(free), end_token_id=unused(free) + 1, open=True)
+    gate = ReasoningGate(start_token_id=unused(free), end_token_id=unused(free, 1), open=True)
     schema = {"type": "object", "required": ["n"], "additionalProperties": False,
               "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}}
     params = SamplingParams(max_tokens=160, temperature=0.0, reasoning=gate,
@@ -154,7 +154,7 @@ def test_a_grammar_holds_the_answer_after_a_capped_thinking(engine, free):
 
 
 def test_requests_with_and_without_a_budget_share_a_batch(engine, free):
-    gate = ReasoningGate(start_token_id=unused(free), end_token_id=unused(free) + 1, open=True)
+    gate = ReasoningGate(start_token_id=unused(free), end_token_id=unused(free, 1), open=True)
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
                              reasoning=gate, thinking_token_budget=b) for b in (None, 2, 0)]
     for i, p in enumerate(params):
