@@ -65,10 +65,11 @@ class ModelConfig(_Section):
     # translation models: the language of requests that name none
     src_lang: str | None = None
     tgt_lang: str | None = None
-    # what the model serves: "generate" (text) or "embed" (one vector per input, pooled
-    # from its hidden states); auto: embed for a sentence-transformers checkpoint or a bare
-    # model without an LM head (`heron.core.pooling`)
-    task: Literal["auto", "generate", "embed"] = "auto"
+    # what the model serves: "generate" (text), "embed" (one vector per input, pooled
+    # from its hidden states) or "classify" (its labels' probabilities, by its score head);
+    # auto: embed for a sentence-transformers checkpoint or a bare model without an LM
+    # head, classify for a sequence-classification one (`heron.core.pooling`)
+    task: Literal["auto", "generate", "embed", "classify"] = "auto"
     # how an embedding pools its tokens' hidden states; auto: as the checkpoint's
     # sentence-transformers Pooling module says, else "last"
     pooling: Literal["auto", "last", "mean", "cls"] = "auto"

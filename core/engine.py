@@ -196,7 +196,7 @@ class Engine:
             raise ValueError(f"model {name!r} serves embeddings: it takes no speculative "
                              "decoding ([speculative] method)")
         runner.keep_hidden_states, runner.hidden_states_layers = True, (None,)
-        return Pooler(pooling)
+        return Pooler(pooling, runner.classifier)
 
     def _build_proposer(self) -> Proposer | None:
         spec = self.config.speculative

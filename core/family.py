@@ -111,6 +111,9 @@ class ModelRunner(ABC):
     supports_hidden_states: bool = False
     hidden_states_layers: tuple[int | None, ...] = (None,)
     hidden_states: torch.Tensor | None = None
+    #: A sequence-classification model's score head, ``[labels, hidden]``: the pooled final
+    #: hidden state times its transpose is the labels' logits (`heron.core.pooling`).
+    classifier: torch.Tensor | None = None
 
     def keeping_hidden_states(self, forward) -> torch.Tensor:
         """``forward(hidden_out)`` of a model that appends to the list ``hidden_out`` (None:

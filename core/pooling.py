@@ -1,8 +1,11 @@
 """Embeddings: a prompt in, one vector out, pooled from its tokens' final hidden states.
 
-`resolve_pooling` decides from ``[model]`` and the checkpoint whether a model embeds, and
-how; `Pooler` takes each sequence's rows as its prompt computes (in chunks, over several
-steps) and gives the vector once the last row has come.
+`resolve_pooling` decides from ``[model]`` and the checkpoint whether a model embeds or
+classifies, and how; `Pooler` takes each sequence's rows as its prompt computes (in
+chunks, over several steps) and gives the vector once the last row has come. A
+sequence-classification model's vector goes through its score head (the family's
+`ModelRunner.classifier`): one logit a label, given as probabilities, softmax over the
+labels, or the sigmoid of a lone label's logit (a cross-encoder's relevance), as vLLM does.
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ _ST_NORMALIZE = "sentence_transformers.models.Normalize"
 class Pooling:
     method: str  # "last" | "mean" | "cls"
     normalize: bool
+    labels: tuple[str, ...] = ()  # a classifier's, in the order of its logits; () embeds
+
+    @property
+    def classifies(self) -> bool:
+        return bool(self.labels)
 
     @property
     def reads_every_row(self) -> bool:
@@ -36,14 +44,26 @@ class Pooling:
         return self.method != "last"
 
 
-def _is_bare_model(path: Path) -> bool:
-    """An HF checkpoint of a model without its LM head (architecture ``Qwen3Model``,
-    ``LlamaModel``, ...), as embedding models are saved."""
+def _hf_config(path: Path) -> dict:
     config = path / "config.json"
-    if not config.is_file():
-        return False
-    arch = (json.loads(config.read_text()).get("architectures") or [""])[0]
+    return json.loads(config.read_text()) if config.is_file() else {}
+
+
+def _architecture(config: dict) -> str:
+    return (config.get("architectures") or [""])[0]
+
+
+def _is_bare_model(arch: str) -> bool:
+    """A model saved without its LM head (architecture ``Qwen3Model``, ``LlamaModel``...),
+    as embedding models are."""
     return arch.endswith("Model") and not arch.endswith("LMHeadModel")
+
+
+def _labels(config: dict) -> tuple[str, ...]:
+    """A sequence-classification checkpoint's labels, by logit (its ``id2label``)."""
+    names = config.get("id2label") or {}
+    count = config.get("num_labels") or len(names) or 2  # transformers' default
+    return tuple(str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(count))
 
 
 def resolve_pooling(model: ModelConfig, path: Path) -> Pooling | None:
@@ -51,18 +71,31 @@ def resolve_pooling(model: ModelConfig, path: Path) -> Pooling | None:
 
     ``task = "auto"`` embeds a sentence-transformers checkpoint (``modules.json``) or a
     bare model, whose pooling and normalization then come from its modules unless
-    ``[model]`` sets them. ConfigError for a bare model asked to generate, or a pooling
-    mode heron does not implement."""
+    ``[model]`` sets them, and classifies with a sequence-classification checkpoint
+    (its last token, not normalized, unless ``[model]`` says otherwise). ConfigError for a
+    model without an LM head asked to generate, one without a score head asked to
+    classify, or a pooling mode heron does not implement."""
     modules = _st_modules(path)
-    bare = _is_bare_model(path)
+    config = _hf_config(path)
+    arch = _architecture(config)
+    bare, classifier = _is_bare_model(arch), arch.endswith("ForSequenceClassification")
     task = model.task
     if task == "auto":
-        task = "embed" if modules is not None or bare else "generate"
+        task = ("classify" if classifier else "embed" if modules is not None or bare
+                else "generate")
     if task == "generate":
-        if bare:
-            raise ConfigError(f"model.task = \"generate\": {path.name} is a bare model "
-                              "without an LM head; it can only embed (model.task = \"embed\")")
+        if bare or classifier:
+            raise ConfigError(f"model.task = \"generate\": {path.name} is a model without an "
+                              f"LM head; it can only {'classify' if classifier else 'embed'} "
+                              f"(model.task = \"{'classify' if classifier else 'embed'}\")")
         return None
+    if task == "classify":
+        if not classifier:
+            raise ConfigError(f"model.task = \"classify\": {path.name} is a {arch or 'model'}"
+                              ", not a sequence-classification checkpoint (architecture "
+                              "`...ForSequenceClassification`) with a score head")
+        return Pooling("last" if model.pooling == "auto" else model.pooling,
+                       bool(model.normalize), _labels(config))
     method = model.pooling
     if method == "auto":
         method = _st_pooling(path, modules) if modules is not None else "last"
@@ -98,8 +131,16 @@ class Pooler:
     may skip rows (no prefix-cache hits).
     """
 
-    def __init__(self, pooling: Pooling) -> None:
+    def __init__(self, pooling: Pooling, classifier: torch.Tensor | None = None) -> None:
+        """``classifier``: the score head ``[labels, hidden]`` a classifying ``pooling``
+        needs."""
+        if pooling.classifies and (classifier is None
+                                   or classifier.shape[0] != len(pooling.labels)):
+            raise ValueError(f"a classifier of {len(pooling.labels)} labels needs a score "
+                             f"head of as many rows; the model has "
+                             f"{'none' if classifier is None else classifier.shape[0]}")
         self.pooling = pooling
+        self.classifier = None if classifier is None else classifier.float()
         self._partial: dict[int, torch.Tensor] = {}  # seq id -> sum of rows, or first row
 
     def feed(self, seq_id: int, rows: torch.Tensor, start: int,
@@ -124,6 +165,9 @@ class Pooler:
                 vector = vector / num_prompt_tokens
         if self.pooling.normalize:
             vector = F.normalize(vector, dim=-1)
+        if self.pooling.classifies:
+            logits = self.classifier @ vector.to(self.classifier.device)
+            vector = logits.sigmoid() if logits.numel() == 1 else logits.softmax(-1)
         return vector.cpu()
 
     def forget(self, seq_id: int) -> None:

@@ -71,6 +71,11 @@ class Tokenizer:
         """Token ids of ``text``; with ``add_special_tokens`` the model's BOS/EOS rule applies."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """Token ids of two texts as one input, the tokenizer's pair template around them
+        (what a cross-encoder reads)."""
+        return self.backend.encode(text, pair).ids
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``. Bytes of an incomplete UTF-8 character decode to U+FFFD."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -29,22 +29,35 @@ from heron.server.responses import (Embedding, EmbeddingResponse, EmbeddingUsage
                                     json_response)
 
 
-def is_embedding_model(app: web.Application) -> bool:
-    return app[ASYNC_ENGINE].engine.pooler is not None
+def served_task(app: web.Application) -> str:
+    """What the model serves: "generate", "embed" or "classify" (`heron.core.pooling`)."""
+    pooler = app[ASYNC_ENGINE].engine.pooler
+    return "generate" if pooler is None else "classify" if pooler.pooling.classifies else "embed"
+
+
+_IS = {"generate": "generates text", "embed": "is an embedding model",
+       "classify": "is a classifier"}
+_FOR = {"embed": ("embedding models", "/v1/embeddings", "not_an_embedding_model"),
+        "classify": ("classifiers", "/classify", "not_a_classifier")}
 
 
 def refuse_embedding_model(app: web.Application, route: str) -> None:
-    if is_embedding_model(app):
-        raise bad_request(f"the model `{app[MODEL_NAME]}` is an embedding model: {route} is "
-                          "not served; send the text to /v1/embeddings", param="model",
-                          code="embedding_model")
+    """A 400 for a generation ``route`` on a model that embeds or classifies."""
+    if (task := served_task(app)) != "generate":
+        raise bad_request(f"the model `{app[MODEL_NAME]}` {_IS[task]}: {route} is not served; "
+                          f"send the text to {_FOR[task][1]}", param="model",
+                          code="embedding_model" if task == "embed" else "classification_model")
 
 
-def require_embedding_model(app: web.Application, route: str) -> None:
-    if not is_embedding_model(app):
-        raise bad_request(f"the model `{app[MODEL_NAME]}` generates text: {route} is only for "
-                          "embedding models (model.task = \"embed\")", param="model",
-                          code="not_an_embedding_model")
+def require_task(app: web.Application, route: str, *tasks: str) -> str:
+    """The served task; a 400 unless it is one of ``tasks``."""
+    if (task := served_task(app)) not in tasks:
+        served = " and ".join(_FOR[t][0] for t in tasks)
+        settings = " or ".join(f'"{t}"' for t in tasks)
+        raise bad_request(f"the model `{app[MODEL_NAME]}` {_IS[task]}: {route} is only for "
+                          f"{served} (model.task = {settings})", param="model",
+                          code=_FOR[tasks[0]][2])
+    return task
 
 
 @dataclass
@@ -87,7 +100,7 @@ def check_lengths(app: web.Application, inputs: list[list[int]], field: str) -> 
 
 async def create_embedding(request: web.Request) -> web.Response:
     app = request.app
-    require_embedding_model(app, "/v1/embeddings")
+    require_task(app, "/v1/embeddings", "embed")
     req = await decode_body(request, EmbeddingRequest)
     adapter = check_model(app, req.model)
     inputs = _inputs(app, req)

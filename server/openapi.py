@@ -44,10 +44,12 @@ ROUTES = (
      anth.CountTokensRequest, anth.CountTokensResponse, False),
     ("post", "/v1/embeddings", "Embeddings (embedding models: `model.task = \"embed\"`)",
      req.EmbeddingRequest, res.EmbeddingResponse, False),
-    *(("post", path, "Similarity of text pairs: their embeddings' cosine (embedding models)",
-       req.ScoreRequest, res.ScoreResponse, False) for path in ("/score", "/v1/score")),
-    *(("post", path, "Documents by relevance to a query: their embeddings' cosine "
-       "(embedding models)", req.RerankRequest, res.RerankResponse, False)
+    ("post", "/classify", "Labels' probabilities (classifiers: `model.task = \"classify\"`)",
+     req.ClassificationRequest, res.ClassificationResponse, False),
+    *(("post", path, "Relevance of text pairs: their embeddings' cosine, or a cross-encoder's "
+       "score", req.ScoreRequest, res.ScoreResponse, False) for path in ("/score", "/v1/score")),
+    *(("post", path, "Documents by relevance to a query: their embeddings' cosine, or a "
+       "cross-encoder's score", req.RerankRequest, res.RerankResponse, False)
       for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
     ("post", "/v1/translations", "Translation (translation models: `src_lang` and `tgt_lang` "
      "are NLLB codes like `eng_Latn`)", req.TranslationRequest, res.TranslationResponse, False),

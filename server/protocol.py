@@ -341,10 +341,23 @@ class EmbeddingRequest(_Body, kw_only=True):
     user: str | None = None  # accepted and ignored
 
 
+class ClassificationRequest(_Body, kw_only=True):
+    """vLLM's /classify (classifiers): ``input`` as /v1/embeddings' (a text, texts, token
+    ids or lists of them); each gets its labels' probabilities."""
+
+    model: str | None = None
+    input: str | list[Any]
+    truncate_prompt_tokens: TruncatePromptTokens = None
+    truncation_side: TruncationSide = None
+    priority: Priority = 0
+    user: str | None = None  # accepted and ignored
+
+
 class ScoreRequest(_Body, kw_only=True):
-    """vLLM's /score (embedding models): ``text_1`` and ``text_2`` are each a text, a list of
-    texts or token ids (as a completion's ``prompt``); one ``text_1`` is scored against
-    every ``text_2``, else they pair up in order (1:1, 1:N or N:N)."""
+    """vLLM's /score (embedding models, cross-encoders): ``text_1`` and ``text_2`` are each a
+    text or a list of texts (or, for an embedding model, token ids as a completion's
+    ``prompt``); one ``text_1`` is scored against every ``text_2``, else they pair up in
+    order (1:1, 1:N or N:N)."""
 
     model: str | None = None
     text_1: str | list[Any]
@@ -355,8 +368,9 @@ class ScoreRequest(_Body, kw_only=True):
 
 
 class RerankRequest(_Body, kw_only=True):
-    """vLLM's (and Cohere's, Jina's) /rerank (embedding models): ``documents`` ranked by
-    their relevance to ``query``; ``top_n`` > 0 keeps that many of the most relevant."""
+    """vLLM's (and Cohere's, Jina's) /rerank (embedding models, cross-encoders):
+    ``documents`` ranked by their relevance to ``query``; ``top_n`` > 0 keeps that many of
+    the most relevant."""
 
     model: str | None = None
     query: str | list[int]

@@ -226,7 +226,23 @@ class EmbeddingResponse(_Out, kw_only=True):
     usage: EmbeddingUsage
 
 
-# -- /score and /rerank ------------------------------------------------------------------
+# -- /classify, /score and /rerank -------------------------------------------------------
+
+class Classification(_Out, kw_only=True):
+    index: int
+    label: str  # the most probable
+    probs: list[float]  # by label, in the model's order
+    num_classes: int
+
+
+class ClassificationResponse(_Out, kw_only=True):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[Classification]
+    usage: EmbeddingUsage
+
 
 class Score(_Out, kw_only=True):
     object: Literal["score"] = "score"

@@ -6,6 +6,7 @@ from aiohttp import web
 
 from heron.server.anthropic_api import count_tokens, create_message
 from heron.server.chat import create_chat_completion
+from heron.server.classify import create_classification
 from heron.server.completions import create_completion
 from heron.server.embeddings import create_embedding
 from heron.server.info import health, list_models, metrics, openapi, retrieve_model, version
@@ -34,6 +35,7 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
     app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     app.router.add_post("/v1/embeddings", create_embedding)
+    app.router.add_post("/classify", create_classification)
     for path in ("/score", "/v1/score"):
         app.router.add_post(path, create_score)
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):

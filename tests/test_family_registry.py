@@ -6,13 +6,14 @@ from __future__ import annotations
 from heron.core import PluginManager
 from tests.hybrid_models import HYBRIDS
 from tests.nllb_models import MODELS as NLLB
-from tests.tiny_models import BARE, FAMILIES
+from tests.tiny_models import BARE, CLASSIFIERS, FAMILIES
 
 #: family name -> (where its tiny models are declared, those models); each table's parity
 #: test (tests/test_parity.py, tests/test_embeddings.py, tests/test_hybrid_parity.py,
 #: tests/test_nllb_engine.py) runs every model in it.
 FAMILY_TESTS = {
-    "transformer": ("tests/tiny_models.py FAMILIES and BARE", {**FAMILIES, **BARE}),
+    "transformer": ("tests/tiny_models.py FAMILIES, BARE and CLASSIFIERS",
+                    {**FAMILIES, **BARE, **CLASSIFIERS}),
     "gpt2": ("tests/tiny_models.py FAMILIES", FAMILIES),
     "hybrid_ssm": ("tests/hybrid_models.py HYBRIDS", HYBRIDS),
     "nllb": ("tests/nllb_models.py MODELS", NLLB),

@@ -37,6 +37,18 @@ BARE = {
     "qwen3-bare": (transformers.Qwen3Model, transformers.Qwen3Config, {"head_dim": 32}),
 }
 
+# ... and with a score head in its place, as classifiers and cross-encoders are (the
+# transformer family classifies with them: tests/test_classify.py)
+CLASSIFIERS = {
+    "llama-cls": (transformers.LlamaForSequenceClassification, transformers.LlamaConfig,
+                  {"num_labels": 3, "id2label": {0: "neg", 1: "neutral", 2: "pos"}}),
+    "mistral-cls": (transformers.MistralForSequenceClassification, transformers.MistralConfig,
+                    {"num_labels": 2}),
+    "qwen2-cls": (transformers.Qwen2ForSequenceClassification, transformers.Qwen2Config,
+                  {"num_labels": 1}),
+    "qwen3-cls": (transformers.Qwen3ForSequenceClassification, transformers.Qwen3Config,
+                  {"head_dim": 32, "num_labels": 1}),
+}
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -80,7 +92,7 @@ def build_tiny(kind: str, directory: Path, seed: int = 0, std: float = 0.3, **co
     ``config`` overrides entries of the transformers config (e.g. ``head_dim``).
     """
     torch.manual_seed(seed)
-    model_cls, config_cls, extra = {**FAMILIES, **BARE}[kind]
+    model_cls, config_cls, extra = {**FAMILIES, **BARE, **CLASSIFIERS}[kind]
     model = model_cls(config_cls(**{**COMMON, **extra, **config})).eval()
     randomise_weights(model, std)
     model.save_pretrained(directory)

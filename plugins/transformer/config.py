@@ -8,6 +8,9 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                  "Qwen3ForCausalLM")
 # the same models saved without their LM head (embedding models): architecture -> with one
 BARE_ARCHITECTURES = {a.removesuffix("ForCausalLM") + "Model": a for a in ARCHITECTURES}
+# ... and with a score head in its place (classifiers, cross-encoders, reward models)
+CLASSIFIER_ARCHITECTURES = {a.removesuffix("ForCausalLM") + "ForSequenceClassification": a
+                            for a in ARCHITECTURES}
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,8 @@ class TransformerConfig:
     rope_scaling: dict | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    has_lm_head: bool  # False for a bare model (`BARE_ARCHITECTURES`)
+    has_lm_head: bool  # False for a bare model or a classifier
+    has_score_head: bool  # a classifier's (`CLASSIFIER_ARCHITECTURES`)
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
@@ -36,7 +40,8 @@ class TransformerConfig:
     def from_hf(cls, cfg: dict) -> TransformerConfig:
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         bare = arch in BARE_ARCHITECTURES
-        arch = BARE_ARCHITECTURES.get(arch, arch)
+        classifier = arch in CLASSIFIER_ARCHITECTURES
+        arch = BARE_ARCHITECTURES.get(arch) or CLASSIFIER_ARCHITECTURES.get(arch, arch)
         if arch not in ARCHITECTURES:
             raise ValueError(f"the transformer family does not serve {arch!r}")
         num_heads = cfg["num_attention_heads"]
@@ -66,7 +71,8 @@ class TransformerConfig:
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            has_lm_head=not bare,
+            has_lm_head=not (bare or classifier),
+            has_score_head=classifier,
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(cfg.get("mlp_bias", False)),

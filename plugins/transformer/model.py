@@ -189,6 +189,8 @@ class TransformerModel:
         if lm_head is None and cfg.tie_word_embeddings:
             lm_head = self.embed
         self.lm_head = pack_weight(lm_head)  # None: a bare model, which only embeds
+        # a classifier's score head, which the engine's pooler applies
+        self.classifier = w.take("score.weight") if cfg.has_score_head else None
         self.cos_sin = rope_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings,
                                           cfg.rope_theta, cfg.rope_scaling).to(device)
         self.shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -233,6 +235,6 @@ class TransformerModel:
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
             if h.shape[0]:
-                raise ValueError("a bare model has no LM head: it serves embeddings only")
+                raise ValueError("a model without an LM head serves embeddings or labels only")
             return h.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
         return linear(h, self.lm_head).float()

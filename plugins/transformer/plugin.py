@@ -2,7 +2,8 @@
 
 from heron.core.family import FamilySpec
 from heron.core.hookspecs import hookimpl
-from heron.plugins.transformer.config import ARCHITECTURES, BARE_ARCHITECTURES
+from heron.plugins.transformer.config import (ARCHITECTURES, BARE_ARCHITECTURES,
+                                             CLASSIFIER_ARCHITECTURES)
 
 
 @hookimpl
@@ -10,6 +11,6 @@ def heron_register_families(register):
     register(FamilySpec(
         name="transformer",
         loader="heron.plugins.transformer.loader:load",
-        architectures=(*ARCHITECTURES, *BARE_ARCHITECTURES),
+        architectures=(*ARCHITECTURES, *BARE_ARCHITECTURES, *CLASSIFIER_ARCHITECTURES),
         gguf_architectures=("llama", "mistral", "qwen2", "qwen3"),
     ))

@@ -20,6 +20,7 @@ class TransformerRunner(ModelRunner):
         self.model = model
         self.info = info
         self.cache: CacheTensors | None = None
+        self.classifier = model.classifier
 
     def cache_spec(self) -> CacheSpec:
         cfg = self.model.cfg

@@ -1,0 +1,38 @@
+"""POST /classify (vLLM's route, classifiers: `...ForSequenceClassification` checkpoints):
+each input's labels' probabilities, the last token's final hidden state through the
+model's score head (`heron.core.pooling`).
+
+``input`` is taken, truncated and checked as /v1/embeddings' is; all of a call's inputs run
+in the same steps.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from heron.server.admission import check_model, check_queue_room, encode_prompts, truncate_prompts
+from heron.server.appkeys import ASYNC_ENGINE
+from heron.server.embeddings import check_lengths, pool, require_task
+from heron.server.errors import decode_body
+from heron.server.protocol import ClassificationRequest
+from heron.server.responses import Classification, ClassificationResponse, json_response
+
+
+async def create_classification(request: web.Request) -> web.Response:
+    app = request.app
+    require_task(app, "/classify", "classify")
+    req = await decode_body(request, ClassificationRequest)
+    adapter = check_model(app, req.model)
+    engine = app[ASYNC_ENGINE].engine
+    inputs = encode_prompts(app, req.input, field="input")[1]
+    inputs = truncate_prompts(inputs, req, engine.limits.max_embedding_len)
+    check_queue_room(app, inputs, "input")
+    check_lengths(app, inputs, "input")
+    pooled = await pool(request, "classify", inputs, req.priority, adapter)
+    labels = engine.pooler.pooling.labels
+    data = [Classification(index=i, label=labels[int(p.argmax())], probs=p.tolist(),
+                           num_classes=len(labels))
+            for i, p in enumerate(pooled.vectors)]
+    return json_response(ClassificationResponse(id=pooled.id, created=pooled.created,
+                                                model=pooled.model, data=data,
+                                                usage=pooled.usage))

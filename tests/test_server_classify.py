@@ -1,0 +1,141 @@
+"""/classify, and /score and /rerank with a cross-encoder, on tiny sequence classifiers
+served over HTTP; the oracle is transformers' model of the same checkpoint on transformers'
+tokenization (`tests.test_classify`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from heron.core.engine import Engine
+from tests.server_utils import ServerThread, server_config
+from tests.test_classify import oracle
+from tests.test_embeddings import PROMPTS
+from tests.tiny_models import build_tiny
+
+QUERY = "Which animal jumps over the dog?"
+
+
+def serve(path, **settings):
+    config = server_config(path, **{"server.served_model_name": "tiny", **settings})
+    return ServerThread(config, Engine(config))
+
+
+@pytest.fixture(scope="module")
+def labeller(tmp_path_factory):
+    """Three labels (neg, neutral, pos)."""
+    path = tmp_path_factory.mktemp("llama-cls")
+    model = build_tiny("llama-cls", path)
+    with serve(path) as server:
+        yield server, model, path
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory):
+    """One label: a relevance score."""
+    path = tmp_path_factory.mktemp("qwen3-cls")
+    model = build_tiny("qwen3-cls", path)
+    with serve(path) as server:
+        yield server, model, AutoTokenizer.from_pretrained(path)
+
+
+def post(server, path: str, body: dict) -> tuple[int, dict]:
+    status, _, raw = server.http("POST", path, body)
+    return status, json.loads(raw)
+
+
+def test_each_input_gets_its_labels_probabilities(labeller):
+    server, model, path = labeller
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    status, reply = post(server, "/classify", {"model": "tiny", "input": PROMPTS})
+    assert status == 200, reply
+    assert reply["object"] == "list" and reply["id"].startswith("classify-")
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    for i, (item, prompt_ids) in enumerate(zip(reply["data"], ids)):
+        expected = oracle(model, prompt_ids)
+        assert item["index"] == i and item["num_classes"] == 3
+        torch.testing.assert_close(torch.tensor(item["probs"]), expected, atol=1e-5, rtol=1e-5)
+        assert item["label"] == model.config.id2label[int(expected.argmax())]
+    assert reply["usage"] == {"prompt_tokens": sum(map(len, ids)),
+                              "total_tokens": sum(map(len, ids))}
+    # token ids, and an input cut to its last tokens
+    status, by_ids = post(server, "/classify", {"input": ids[2], "truncate_prompt_tokens": 5})
+    assert status == 200, by_ids
+    torch.testing.assert_close(torch.tensor(by_ids["data"][0]["probs"]),
+                               oracle(model, ids[2][-5:]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("body,param,code", [
+    ({"input": []}, "input", None),
+    ({"input": [5] * 600}, "input", "context_length_exceeded"),
+    ({"input": "a", "model": "other"}, "model", "model_not_found"),
+    ({"input": "a", "encoding_format": "float"}, None, None),
+])
+def test_bad_classify_requests_get_openai_shaped_errors(labeller, body, param, code):
+    server = labeller[0]
+    status, reply = post(server, "/classify", body)
+    assert status in (400, 404) and reply["error"]["message"], reply
+    assert param is None or reply["error"]["param"] == param
+    assert code is None or reply["error"]["code"] == code
+    assert server.wait_for(lambda m: m["heron_kv_blocks_in_use"] == 0)
+
+
+@pytest.mark.parametrize("path,body,code", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+     "classification_model"),
+    ("/v1/completions", {"prompt": "hi"}, "classification_model"),
+    ("/v1/embeddings", {"input": "hi"}, "not_an_embedding_model"),
+    ("/score", {"text_1": "a", "text_2": "b"}, "not_a_cross_encoder"),
+    ("/rerank", {"query": "a", "documents": ["b"]}, "not_a_cross_encoder"),
+])
+def test_a_classifier_serves_only_its_routes(labeller, path, body, code):
+    status, reply = post(labeller[0], path, body)
+    assert status == 400 and reply["error"]["code"] == code, reply
+    if code == "classification_model":
+        assert "/classify" in reply["error"]["message"]
+
+
+def test_other_models_refuse_classify(tmp_path):
+    build_tiny("qwen3", tmp_path, head_dim=32)
+    for settings in ({}, {"model.task": "embed"}):
+        with serve(tmp_path, **settings) as server:
+            status, reply = post(server, "/classify", {"input": "hi"})
+        assert status == 400 and reply["error"]["code"] == "not_a_classifier"
+
+
+def test_a_cross_encoder_scores_each_pair_as_one_input(cross_encoder):
+    server, model, tokenizer = cross_encoder
+    expected = [float(oracle(model, tokenizer(QUERY, p)["input_ids"])) for p in PROMPTS]
+    status, reply = post(server, "/score", {"text_1": QUERY, "text_2": PROMPTS})
+    assert status == 200, reply
+    assert [d["score"] for d in reply["data"]] == pytest.approx(expected, abs=1e-5)
+    pairs = sum(len(tokenizer(QUERY, p)["input_ids"]) for p in PROMPTS)
+    assert reply["usage"]["prompt_tokens"] == pairs
+    status, pairwise = post(server, "/v1/score", {"text_1": PROMPTS[:2], "text_2": PROMPTS[2:]})
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx(
+        [float(oracle(model, tokenizer(a, b)["input_ids"]))
+         for a, b in zip(PROMPTS[:2], PROMPTS[2:])], abs=1e-5)
+    status, ranked = post(server, "/rerank", {"query": QUERY, "documents": PROMPTS,
+                                              "top_n": 3})
+    assert status == 200, ranked
+    order = sorted(range(len(PROMPTS)), key=lambda i: -expected[i])[:3]
+    assert [r["index"] for r in ranked["results"]] == order
+    for r in ranked["results"]:
+        assert r["relevance_score"] == pytest.approx(expected[r["index"]], abs=1e-5)
+        assert r["document"]["text"] == PROMPTS[r["index"]]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/score", {"text_1": "a", "text_2": [[5, 6]]}, "text_2"),
+    ("/rerank", {"query": [5, 6], "documents": ["b"]}, "query"),
+    ("/score", {"text_1": ["a", "b"], "text_2": ["c"]}, "text_1"),
+    ("/score", {"text_1": "a", "text_2": ["b", "long " * 600]}, "text_2[1]"),
+])
+def test_bad_cross_encoder_requests_get_openai_shaped_errors(cross_encoder, path, body, param):
+    server = cross_encoder[0]
+    status, reply = post(server, path, body)
+    assert status == 400 and reply["error"]["param"] == param, reply
+    assert server.wait_for(lambda m: m["heron_kv_blocks_in_use"] == 0)
