@@ -90,8 +90,10 @@ def cmd_generate(args) -> int:
         raise UsageError("--prompt must not be empty")
     engine = Engine(_config(args))
     if engine.pooler is not None:
-        raise UsageError("the model embeds (model.task = \"embed\"); it generates nothing: "
-                         "serve it and call /v1/embeddings")
+        task, route = (("classify", "/classify") if engine.pooler.pooling.classifies
+                       else ("embed", "/v1/embeddings"))
+        raise UsageError(f"the model serves model.task = \"{task}\"; it generates nothing: "
+                         f"serve it and call {route}")
     prompt = args.prompt
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])

@@ -242,3 +242,12 @@ def test_train_mtp_passes_only_the_options_given_each_a_keyword_of_the_recipe():
     args = build_parser().parse_args(["train-mtp", "--out", "h.safetensors", "--copy-prompts",
                                       "0", "--samples", "s.pt"])
     assert train_mtp_settings(args) == {"num_copy_prompts": 0, "samples_file": Path("s.pt")}
+
+
+@pytest.mark.parametrize("kind,route", [("qwen3-bare", "/v1/embeddings"),
+                                        ("llama-cls", "/classify")])
+def test_generate_on_a_model_that_generates_nothing_names_its_route(capsys, tmp_path, kind,
+                                                                     route):
+    build_tiny(kind, tmp_path)
+    code, _, err = run_main(capsys, "generate", str(tmp_path), "--prompt", "hi")
+    assert code == 2 and "generates nothing" in err and route in err
