@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from heron.server.admission import check_model, check_queue_room, encode_prompts, truncate_prompts
+from heron.server.admission import check_model, check_queue_room
 from heron.server.appkeys import ASYNC_ENGINE
-from heron.server.embeddings import check_lengths, pool, require_task
+from heron.server.embeddings import encoded_inputs, pool, require_task
 from heron.server.errors import decode_body
 from heron.server.protocol import ClassificationRequest
 from heron.server.responses import Classification, ClassificationResponse, json_response
@@ -23,13 +23,10 @@ async def create_classification(request: web.Request) -> web.Response:
     require_task(app, "/classify", "classify")
     req = await decode_body(request, ClassificationRequest)
     adapter = check_model(app, req.model)
-    engine = app[ASYNC_ENGINE].engine
-    inputs = encode_prompts(app, req.input, field="input")[1]
-    inputs = truncate_prompts(inputs, req, engine.limits.max_embedding_len)
+    inputs = encoded_inputs(app, req, req.input, "input")[1]
     check_queue_room(app, inputs, "input")
-    check_lengths(app, inputs, "input")
     pooled = await pool(request, "classify", inputs, req.priority, adapter)
-    labels = engine.pooler.pooling.labels
+    labels = app[ASYNC_ENGINE].engine.pooler.pooling.labels
     data = [Classification(index=i, label=labels[int(p.argmax())], probs=p.tolist(),
                            num_classes=len(labels))
             for i, p in enumerate(pooled.vectors)]

@@ -98,6 +98,16 @@ def check_lengths(app: web.Application, inputs: list[list[int]], field: str) -> 
                               f"{limit}", param=where, code="context_length_exceeded")
 
 
+def encoded_inputs(app: web.Application, req, value, field: str
+                   ) -> tuple[list[str], list[list[int]]]:
+    """A request field's texts or token ids (as a completion's ``prompt``) as (texts, ids),
+    each input truncated as ``req`` asks and checked against the model's limit."""
+    texts, ids = encode_prompts(app, value, field=field)
+    ids = truncate_prompts(ids, req, app[ASYNC_ENGINE].engine.limits.max_embedding_len)
+    check_lengths(app, ids, field)
+    return texts, ids
+
+
 async def create_embedding(request: web.Request) -> web.Response:
     app = request.app
     require_task(app, "/v1/embeddings", "embed")

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from heron.server.admission import (check_model, check_queue_room, encode_prompts, tokenizer_of,
-                                    truncate_prompts)
+from heron.server.admission import check_model, check_queue_room, tokenizer_of, truncate_prompts
 from heron.server.appkeys import ASYNC_ENGINE, MODEL_NAME
-from heron.server.embeddings import Pooled, check_lengths, pool, require_task
+from heron.server.embeddings import (Pooled, check_lengths, encoded_inputs, pool,
+                                     require_task)
 from heron.server.errors import bad_request, decode_body
 from heron.server.protocol import RerankRequest, ScoreRequest
 from heron.server.responses import (RerankDocument, RerankResponse, RerankResult, Score,
@@ -39,14 +39,6 @@ def _serving_task(app: web.Application, route: str) -> str:
     return task
 
 
-def _ids(app: web.Application, req, value, field: str) -> tuple[list[str], list[list[int]]]:
-    """A field's texts and their token ids, truncated as ``req`` asks and checked."""
-    texts, ids = encode_prompts(app, value, field=field)
-    ids = truncate_prompts(ids, req, app[ASYNC_ENGINE].engine.limits.max_embedding_len)
-    check_lengths(app, ids, field)
-    return texts, ids
-
-
 def _texts(value: Any, field: str) -> list[str]:
     """A cross-encoder's field: a text or a non-empty list of texts."""
     texts = [value] if isinstance(value, str) else value
@@ -56,6 +48,37 @@ def _texts(value: Any, field: str) -> list[str]:
     return texts
 
 
+def _check_pairing(num_firsts: int, num_seconds: int, field_1: str, field_2: str) -> None:
+    if num_firsts not in (1, num_seconds):
+        raise bad_request(f"`{field_1}` has {num_firsts} texts and `{field_2}` {num_seconds}: "
+                          "score one against any number (1:N) or pairs in order (N:N)",
+                          param=field_1)
+
+
+def _bi_encoder_inputs(app: web.Application, req, first: tuple[str, Any],
+                       second: tuple[str, Any]) -> tuple[list[str], list[list[int]], int]:
+    """Every text of both fields, each embedded once: (the second field's texts, the
+    inputs, how many of them are the first field's)."""
+    _, firsts = encoded_inputs(app, req, first[1], first[0])
+    texts, seconds = encoded_inputs(app, req, second[1], second[0])
+    _check_pairing(len(firsts), len(seconds), first[0], second[0])
+    return texts, firsts + seconds, len(firsts)
+
+
+def _cross_encoder_inputs(app: web.Application, req, first: tuple[str, Any],
+                          second: tuple[str, Any]) -> tuple[list[str], list[list[int]], int]:
+    """Each pair as one input, the tokenizer's pair template around its two texts: (the
+    second field's texts, the inputs, 0)."""
+    firsts, texts = _texts(first[1], first[0]), _texts(second[1], second[0])
+    _check_pairing(len(firsts), len(texts), first[0], second[0])
+    tokenizer = tokenizer_of(app)
+    pairs = [tokenizer.encode_pair(a, b)
+             for a, b in zip(firsts * len(texts) if len(firsts) == 1 else firsts, texts)]
+    pairs = truncate_prompts(pairs, req, app[ASYNC_ENGINE].engine.limits.max_embedding_len)
+    check_lengths(app, pairs, second[0])
+    return texts, pairs, 0
+
+
 async def _pair_scores(request: web.Request, task: str, req, kind: str,
                        first: tuple[str, Any], second: tuple[str, Any]
                        ) -> tuple[Pooled, list[str], list[float]]:
@@ -63,31 +86,14 @@ async def _pair_scores(request: web.Request, task: str, req, kind: str,
     or pairs in order; returns the response's makings and the second field's texts."""
     app = request.app
     adapter = check_model(app, req.model)
-    (field_1, value_1), (field_2, value_2) = first, second
-    if task == "embed":
-        _, firsts = _ids(app, req, value_1, field_1)
-        texts, seconds = _ids(app, req, value_2, field_2)
-    else:
-        firsts, texts = _texts(value_1, field_1), _texts(value_2, field_2)
-        seconds = texts
-    if len(firsts) not in (1, len(seconds)):
-        raise bad_request(f"`{field_1}` has {len(firsts)} texts and `{field_2}` "
-                          f"{len(seconds)}: score one against any number (1:N) or pairs in "
-                          "order (N:N)", param=field_1)
-    if task == "embed":
-        inputs = firsts + seconds
-    else:
-        tokenizer = tokenizer_of(app)
-        inputs = [tokenizer.encode_pair(a, b)
-                  for a, b in zip(firsts * len(seconds) if len(firsts) == 1 else firsts, texts)]
-        inputs = truncate_prompts(inputs, req, app[ASYNC_ENGINE].engine.limits.max_embedding_len)
-        check_lengths(app, inputs, field_2)
-    check_queue_room(app, inputs, field_2)
+    make_inputs = _bi_encoder_inputs if task == "embed" else _cross_encoder_inputs
+    texts, inputs, num_firsts = make_inputs(app, req, first, second)
+    check_queue_room(app, inputs, second[0])
     pooled = await pool(request, kind, inputs, req.priority, adapter)
-    if task == "classify":
-        return pooled, texts, [float(v[0]) for v in pooled.vectors]
     vectors = torch.stack(pooled.vectors).float()
-    ones, others = vectors[:len(firsts)], vectors[len(firsts):]
+    if not num_firsts:  # a cross-encoder's: each pair's probability
+        return pooled, texts, vectors[:, 0].tolist()
+    ones, others = vectors[:num_firsts], vectors[num_firsts:]
     cosines = torch.nn.functional.cosine_similarity(ones.expand_as(others), others, dim=-1)
     return pooled, texts, cosines.tolist()
 

@@ -140,11 +140,14 @@ def test_user_errors_are_one_line_not_tracebacks(capsys, tmp_path, default_gguf_
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_generate_refuses_an_embedding_model(capsys, tmp_path, keep_logging):
-    build_tiny("llama", tmp_path)
+@pytest.mark.parametrize("kind,task,route", [("llama", "embed", "/v1/embeddings"),
+                                             ("llama-cls", "classify", "/classify")])
+def test_generate_refuses_a_model_that_embeds_or_classifies(capsys, tmp_path, keep_logging,
+                                                            kind, task, route):
+    build_tiny(kind, tmp_path)
     code, _, err = run_main(capsys, "generate", str(tmp_path), "--prompt", "hi",
-                            "--set", 'model.task="embed"')
-    assert code == 2 and "the model embeds" in err and "/v1/embeddings" in err
+                            "--set", f'model.task="{task}"')
+    assert code == 2 and "generates nothing" in err and route in err
 
 
 def test_a_port_in_use_is_named(capsys, tmp_path, keep_logging):
@@ -243,11 +246,3 @@ def test_train_mtp_passes_only_the_options_given_each_a_keyword_of_the_recipe():
                                       "0", "--samples", "s.pt"])
     assert train_mtp_settings(args) == {"num_copy_prompts": 0, "samples_file": Path("s.pt")}
 
-
-@pytest.mark.parametrize("kind,route", [("qwen3-bare", "/v1/embeddings"),
-                                        ("llama-cls", "/classify")])
-def test_generate_on_a_model_that_generates_nothing_names_its_route(capsys, tmp_path, kind,
-                                                                     route):
-    build_tiny(kind, tmp_path)
-    code, _, err = run_main(capsys, "generate", str(tmp_path), "--prompt", "hi")
-    assert code == 2 and "generates nothing" in err and route in err
