@@ -70,6 +70,10 @@ class ModelConfig(_Section):
     # auto: embed for a sentence-transformers checkpoint or a bare model without an LM
     # head, classify for a sequence-classification one (`heron.core.pooling`)
     task: Literal["auto", "generate", "embed", "classify"] = "auto"
+    # a causal LM classifying by some of its LM head's rows (vLLM's `classifier_from_token`):
+    # one token, the sigmoid of its logit; two, [no, yes], the probability of the second
+    # against the first (Qwen3-Reranker's); more, the softmax over their logits
+    classifier_from_tokens: list[str] | None = None
     # how an embedding pools its tokens' hidden states; auto: as the checkpoint's
     # sentence-transformers Pooling module says, else "last"
     pooling: Literal["auto", "last", "mean", "cls"] = "auto"
@@ -85,6 +89,8 @@ class ModelConfig(_Section):
     def _checks(self):
         return (("max_model_len", self.max_model_len is None or self.max_model_len >= 1,
                  "must be >= 1"),
+                ("classifier_from_tokens", self.classifier_from_tokens != [],
+                 "must name at least one token"),
                 ("num_threads", self.num_threads is None or self.num_threads >= 1,
                  "must be >= 1"),
                 *((name, code is None or bool(LANGUAGE_CODE.fullmatch(code)),

@@ -72,17 +72,24 @@ def resolve_pooling(model: ModelConfig, path: Path) -> Pooling | None:
     ``task = "auto"`` embeds a sentence-transformers checkpoint (``modules.json``) or a
     bare model, whose pooling and normalization then come from its modules unless
     ``[model]`` sets them, and classifies with a sequence-classification checkpoint
-    (its last token, not normalized, unless ``[model]`` says otherwise). ConfigError for a
-    model without an LM head asked to generate, one without a score head asked to
-    classify, or a pooling mode heron does not implement."""
+    (its last token, not normalized, unless ``[model]`` says otherwise), as it does a
+    causal LM given ``classifier_from_tokens``. ConfigError for a model without an LM head
+    asked to generate, one without a score head asked to classify, or a pooling mode heron
+    does not implement."""
     modules = _st_modules(path)
     config = _hf_config(path)
     arch = _architecture(config)
     bare, classifier = _is_bare_model(arch), arch.endswith("ForSequenceClassification")
+    from_tokens = model.classifier_from_tokens
     task = model.task
     if task == "auto":
-        task = ("classify" if classifier else "embed" if modules is not None or bare
-                else "generate")
+        task = ("classify" if classifier or from_tokens else
+                "embed" if modules is not None or bare else "generate")
+    if from_tokens and (task != "classify" or bare or classifier):
+        raise ConfigError("model.classifier_from_tokens makes a causal LM's LM head classify "
+                          f"(model.task = \"classify\"); {path.name} "
+                          + ("has no LM head" if bare or classifier
+                             else f"is served with model.task = \"{task}\""))
     if task == "generate":
         if bare or classifier:
             raise ConfigError(f"model.task = \"generate\": {path.name} is a model without an "
@@ -90,12 +97,17 @@ def resolve_pooling(model: ModelConfig, path: Path) -> Pooling | None:
                               f"(model.task = \"{'classify' if classifier else 'embed'}\")")
         return None
     if task == "classify":
-        if not classifier:
+        if from_tokens:  # two tokens [no, yes]: one label, the second's probability
+            labels = tuple(from_tokens[1:] if len(from_tokens) == 2 else from_tokens)
+        elif classifier:
+            labels = _labels(config)
+        else:
             raise ConfigError(f"model.task = \"classify\": {path.name} is a {arch or 'model'}"
                               ", not a sequence-classification checkpoint (architecture "
-                              "`...ForSequenceClassification`) with a score head")
+                              "`...ForSequenceClassification`) with a score head, and "
+                              "model.classifier_from_tokens is unset")
         return Pooling("last" if model.pooling == "auto" else model.pooling,
-                       bool(model.normalize), _labels(config))
+                       bool(model.normalize), labels)
     method = model.pooling
     if method == "auto":
         method = _st_pooling(path, modules) if modules is not None else "last"

@@ -59,3 +59,33 @@ def test_labels_default_as_transformers_names_them(tmp_path):
     from tests.tiny_models import save_tokenizer
     save_tokenizer(tmp_path)
     assert make_engine(tmp_path).pooler.pooling.labels == ("LABEL_0", "LABEL_1")
+
+
+@pytest.mark.parametrize("tokens", [["a", "b"], ["a"], ["a", "b", "c"]])
+def test_a_causal_lm_classifies_by_its_lm_head_rows(tmp_path, tokens):
+    """vLLM's ``classifier_from_token``: [no, yes] gives yes's two-way probability (one
+    label, as Qwen3-Reranker serves as a cross-encoder), one token its logit's sigmoid, more
+    their softmax; against transformers' next-token logits."""
+    model = build_tiny("qwen3", tmp_path, head_dim=32)
+    engine = make_engine(tmp_path, **{"model.classifier_from_tokens": tokens})
+    ids = [engine.tokenizer.token_to_id(t) for t in tokens]
+    assert engine.pooler.pooling.labels == tuple(tokens[1:] if len(tokens) == 2 else tokens)
+    for prompt, probs in zip(PROMPTS, engine.embed(PROMPTS)):
+        with torch.no_grad():
+            logits = model(torch.tensor([engine.tokenizer.encode(prompt)])).logits[0, -1, ids]
+        expected = (logits.softmax(-1)[1:] if len(ids) == 2 else
+                    logits.sigmoid() if len(ids) == 1 else logits.softmax(-1))
+        torch.testing.assert_close(probs, expected, atol=1e-5, rtol=1e-5)
+    assert_no_leaks(engine)
+
+
+def test_classifier_tokens_need_a_causal_lm_and_its_vocabulary(tmp_path):
+    build_tiny("llama-cls", tmp_path / "cls")
+    with pytest.raises(ConfigError, match="has no LM head"):
+        make_engine(tmp_path / "cls", **{"model.classifier_from_tokens": ["a"]})
+    build_tiny("llama", tmp_path)
+    with pytest.raises(ConfigError, match='served with model.task = "generate"'):
+        make_engine(tmp_path, **{"model.classifier_from_tokens": ["a"],
+                                 "model.task": "generate"})
+    with pytest.raises(ValueError, match="'no such token' is not a token"):
+        make_engine(tmp_path, **{"model.classifier_from_tokens": ["a", "no such token"]})

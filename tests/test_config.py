@@ -55,6 +55,8 @@ def test_test_toml_loads():
     ("[prefix_cache]\nsnapshot_memory_gb = nan\n", "snapshot_memory_gb",
      "must be a finite number"),
     ("[model]\nkeep_quantized = \"int4\"\n", "keep_quantized", "Invalid enum value 'int4'"),
+    ("[model]\nclassifier_from_tokens = []\n", "classifier_from_tokens",
+     "must name at least one token"),
     ("[server]\ntool_call_parser = \"granite\"\n", "tool_call_parser",
      "'hermes', 'llama3_json', 'pythonic', 'mistral'"),
 ])

@@ -139,3 +139,22 @@ def test_bad_cross_encoder_requests_get_openai_shaped_errors(cross_encoder, path
     status, reply = post(server, path, body)
     assert status == 400 and reply["error"]["param"] == param, reply
     assert server.wait_for(lambda m: m["heron_kv_blocks_in_use"] == 0)
+
+
+def test_a_causal_lm_reranks_by_two_tokens_of_its_lm_head(tmp_path):
+    """Qwen3-Reranker's way (``classifier_from_tokens = ["no", "yes"]``; here two tokens the
+    tiny vocabulary has): each pair's relevance is the second token's two-way probability
+    at the pair's last position."""
+    model = build_tiny("qwen3", tmp_path, head_dim=32)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    no, yes = tokenizer.convert_tokens_to_ids(["a", "b"])
+    with torch.no_grad():
+        expected = [float(model(torch.tensor([tokenizer(QUERY, p)["input_ids"]])).logits[
+            0, -1, [no, yes]].softmax(-1)[1]) for p in PROMPTS]
+    with serve(tmp_path, **{"model.classifier_from_tokens": ["a", "b"]}) as server:
+        status, reply = post(server, "/rerank", {"query": QUERY, "documents": PROMPTS})
+    assert status == 200, reply
+    assert [r["index"] for r in reply["results"]] == sorted(range(len(PROMPTS)),
+                                                            key=lambda i: -expected[i])
+    for r in reply["results"]:
+        assert r["relevance_score"] == pytest.approx(expected[r["index"]], abs=1e-5)

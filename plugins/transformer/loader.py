@@ -15,6 +15,7 @@ from heron.plugins.transformer.config import TransformerConfig
 from heron.plugins.transformer.model import TransformerModel
 from heron.plugins.transformer.runner import TransformerRunner
 from heron.core.checkpoint import is_mtp_tensor, load_safetensors
+from heron.core.ops.linear import unpack_weight
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,9 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
         tokenizer = Tokenizer.from_hf_dir(source)
     model = TransformerModel(cfg, tensors, device, dtype)
     del tensors
+    if model_config.classifier_from_tokens:
+        model.classifier = _classifier_from_tokens(model, tokenizer,
+                                                   model_config.classifier_from_tokens)
     if model.unused_tensors:
         log.warning("checkpoint tensors not used: %s", model.unused_tensors[:8])
     info = ModelInfo.of_checkpoint(source.name, cfg.vocab_size, cfg.max_position_embeddings,
@@ -47,3 +51,15 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
     info.hidden_size = cfg.hidden_size
     return LoadedModel(TransformerRunner(model, info), tokenizer)
 
+
+
+def _classifier_from_tokens(model: TransformerModel, tokenizer: Tokenizer | None,
+                            tokens: list[str]) -> torch.Tensor:
+    """A score head of the LM head's rows for ``tokens``; two, [no, yes], make one row,
+    yes - no, whose sigmoid is the two-way softmax's probability of yes."""
+    ids = [tokenizer.token_to_id(t) if tokenizer is not None else None for t in tokens]
+    if None in ids:
+        raise ValueError(f"model.classifier_from_tokens: {tokens[ids.index(None)]!r} is not a "
+                         "token of the model's vocabulary")
+    rows = unpack_weight(model.lm_head)[ids].float()
+    return (rows[1] - rows[0])[None] if len(ids) == 2 else rows
