@@ -55,6 +55,21 @@ def test_chat_prompt_logits_and_greedy_tokens_match_transformers(served, oracle,
     assert out.outputs[0].token_ids == expected
 
 
+def test_a_kept_lm_head_s_rows_classify_as_transformers_logits_do(default_gguf_path, oracle):
+    """``classifier_from_tokens`` on the GGUF file: the yes/no rows of its Q8_0 LM head, kept
+    quantized, give yes's two-way probability at the prompt's last position."""
+    engine = make_engine(default_gguf_path, **{"model.keep_quantized": True,
+                                               "model.classifier_from_tokens": ["no", "yes"]})
+    ids = [engine.tokenizer.token_to_id(t) for t in ("no", "yes")]
+    prompts = [engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Is {city} the capital of France? Answer yes or no."}])
+        for city in ("Paris", "Rome")]
+    for prompt, probs in zip(prompts, engine.embed(prompts)):
+        with torch.no_grad():
+            logits = oracle(torch.tensor([engine.tokenizer.encode(prompt)])).logits[0, -1, ids]
+        assert probs.tolist() == pytest.approx([float(logits.softmax(-1)[1])], abs=1e-5)
+
+
 def test_answers_paris(engine):
     prompt = engine.tokenizer.apply_chat_template(QUESTION)
     out = engine.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0))[0].outputs[0]

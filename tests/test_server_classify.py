@@ -4,24 +4,16 @@ tokenization (`tests.test_classify`)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from heron.core.engine import Engine
-from tests.server_utils import ServerThread, server_config
 from tests.test_classify import oracle
 from tests.test_embeddings import PROMPTS
+from tests.test_server_embeddings import post, serve
 from tests.tiny_models import build_tiny
 
 QUERY = "Which animal jumps over the dog?"
-
-
-def serve(path, **settings):
-    config = server_config(path, **{"server.served_model_name": "tiny", **settings})
-    return ServerThread(config, Engine(config))
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +32,6 @@ def cross_encoder(tmp_path_factory):
     model = build_tiny("qwen3-cls", path)
     with serve(path) as server:
         yield server, model, AutoTokenizer.from_pretrained(path)
-
-
-def post(server, path: str, body: dict) -> tuple[int, dict]:
-    status, _, raw = server.http("POST", path, body)
-    return status, json.loads(raw)
 
 
 def test_each_input_gets_its_labels_probabilities(labeller):

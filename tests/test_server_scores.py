@@ -4,13 +4,11 @@ oracle), over HTTP as vLLM's clients send them."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from tests.test_embeddings import PROMPTS, oracle
-from tests.test_server_embeddings import model_dir, serve  # noqa: F401 (a fixture)
+from tests.test_server_embeddings import model_dir, post, serve  # noqa: F401 (a fixture)
 
 QUERY = "Which animal jumps over the dog?"
 
@@ -19,11 +17,6 @@ QUERY = "Which animal jumps over the dog?"
 def server(model_dir):  # noqa: F811
     with serve(model_dir, **{"model.task": "embed"}) as server:
         yield server
-
-
-def post(server, path: str, body: dict) -> tuple[int, dict]:
-    status, _, raw = server.http("POST", path, body)
-    return status, json.loads(raw)
 
 
 def expected(model_dir, server, first: str, second: str) -> float:  # noqa: F811

@@ -16,6 +16,7 @@ from heron.plugins.transformer.model import TransformerModel
 from heron.plugins.transformer.runner import TransformerRunner
 from heron.core.checkpoint import is_mtp_tensor, load_safetensors
 from heron.core.ops.linear import unpack_weight
+from heron.core.ops.quantized import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,6 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
     return LoadedModel(TransformerRunner(model, info), tokenizer)
 
 
-
 def _classifier_from_tokens(model: TransformerModel, tokenizer: Tokenizer | None,
                             tokens: list[str]) -> torch.Tensor:
     """A score head of the LM head's rows for ``tokens``; two, [no, yes], make one row,
@@ -61,5 +61,9 @@ def _classifier_from_tokens(model: TransformerModel, tokenizer: Tokenizer | None
     if None in ids:
         raise ValueError(f"model.classifier_from_tokens: {tokens[ids.index(None)]!r} is not a "
                          "token of the model's vocabulary")
-    rows = unpack_weight(model.lm_head)[ids].float()
+    head = model.lm_head
+    if isinstance(head, QuantizedWeight):  # those rows' blocks alone, not the whole head
+        rows = QuantizedWeight(head.blocks[ids], head.qtype, head.in_features).dequantize()
+    else:
+        rows = unpack_weight(head)[ids].float()
     return (rows[1] - rows[0])[None] if len(ids) == 2 else rows
