@@ -12,6 +12,7 @@ from heron.core.engine import Engine
 from heron.core.family import FamilySpec, LoadedModel, ModelInfo, ModelRunner
 from heron.core.hookspecs import hookimpl, hookspec
 from heron.core.plugins import PluginError, PluginManager
+from heron.core.pooling import ScoreHead
 from heron.core.sampling_params import SamplingParams
 from heron.core.sequence import Sequence, SequenceStatus
 from heron.core.tokenizer import Tokenizer
@@ -19,7 +20,7 @@ from heron.core.tokenizer import Tokenizer
 __all__ = [
     "AttentionMetadata", "Batch", "CacheSpec", "CacheTensors", "Config", "ConfigError",
     "EncoderChunk", "Engine", "EngineConfig", "FamilySpec", "KVCacheSpec", "LoadedModel", "ModelConfig", "ModelInfo",
-    "ModelRunner", "PluginError", "PluginManager", "SamplingParams", "Sequence",
+    "ModelRunner", "PluginError", "PluginManager", "SamplingParams", "ScoreHead", "Sequence",
     "SequenceStatus", "StateSpec", "Tokenizer", "hookimpl", "hookspec", "load_config",
     "load_safetensors",
 ]

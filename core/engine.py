@@ -11,6 +11,7 @@ import logging
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from heron.core.adapters import Adapters
@@ -73,6 +74,12 @@ class Engine:
                         info.max_context_len)
         spec = self.runner.cache_spec()
         engine = config.engine
+        if self.runner.attends_whole_prompt:  # no row of an input is final before its last
+            engine = msgspec.structs.replace(engine, chunked_prefill=False)
+            if engine.max_num_batched_tokens < self.max_model_len:
+                log.warning("%s computes each input whole in one step: inputs longer than "
+                            "engine.max_num_batched_tokens (%d) are refused", info.name,
+                            engine.max_num_batched_tokens)
         self.num_kv_blocks = num_kv_blocks_for(spec, engine, self.dtype, self.max_model_len)
         self.limits = limits = Limits(self.max_model_len, self.num_kv_blocks, engine)
         if spec.kv is not None and limits.kv_capacity < self.max_model_len:
@@ -93,7 +100,7 @@ class Engine:
         self.runner.bind_cache(self.cache)
         # builds the kernels now, so the first step does not wait for the compiler
         self.cpu_kernels = (engine.cpu_kernels and self.device.type == "cpu"
-                            and spec.kv is not None
+                            and spec.kv is not None and spec.kv.num_layers > 0
                             and compiled_attention_applies(self.dtype, spec.kv.head_dim))
         self.block_pool = BlockPool(self.num_kv_blocks)
         # NOTE: per-sequence states (SSM) are not in the KV blocks: a prefix hit must restore
@@ -101,9 +108,12 @@ class Engine:
         # families with states get snapshots and neither of the others
         stateless = not spec.states
         cache_cfg = config.prefix_cache
-        # an encoder-decoder's decoder KV depends on its source, which the cache does not key
-        caching = cache_cfg.enabled and not self.runner.is_encoder_decoder and not (
-            self.pooler is not None and self.pooler.pooling.reads_every_row)
+        # an encoder-decoder's decoder KV depends on its source, which the cache does not
+        # key, and a bidirectional encoder's rows of a prefix on what follows it
+        runner = self.runner
+        caching = (cache_cfg.enabled and not runner.is_encoder_decoder
+                   and not runner.attends_whole_prompt
+                   and not (self.pooler is not None and self.pooler.pooling.reads_every_row))
         self.states = None
         if not stateless:
             num_snapshots = 0
@@ -903,11 +913,17 @@ class Engine:
 
     def generate(self, prompts: list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run prompts to completion; results in prompt order."""
+        """Run prompts to completion; results in prompt order. A prompt refused (a
+        ValueError) runs none of them."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{next(self._arrivals)}-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, params_list):
-            self.add_request(rid, prompt, p)
+        for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params_list)):
+            try:
+                self.add_request(rid, prompt, p)
+            except ValueError:
+                for added in ids[:i]:
+                    self.abort(added)
+                raise
         results: dict[str, RequestOutput] = {}
         while len(results) < len(ids):
             for out in self.step():

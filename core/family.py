@@ -16,7 +16,7 @@ import torch
 from heron.core.batch import Batch, EncoderChunk
 from heron.core.cache_spec import CacheSpec, CacheTensors
 from heron.core.lora import LoraTarget
-from heron.core.pooling import Pooling
+from heron.core.pooling import Pooling, ScoreHead
 from heron.core.sequence import Sequence
 
 
@@ -111,9 +111,17 @@ class ModelRunner(ABC):
     supports_hidden_states: bool = False
     hidden_states_layers: tuple[int | None, ...] = (None,)
     hidden_states: torch.Tensor | None = None
-    #: A sequence-classification model's score head, ``[labels, hidden]``: the pooled final
-    #: hidden state times its transpose is the labels' logits (`heron.core.pooling`).
-    classifier: torch.Tensor | None = None
+    #: A sequence-classification model's score head: the pooled final hidden state in, the
+    #: labels' logits out (`heron.core.pooling`).
+    classifier: ScoreHead | None = None
+    #: The token an embedding or a classification pools (`heron.core.pooling.Pooling`)
+    #: unless ``[model] pooling`` or a sentence-transformers module names one: a decoder's
+    #: last token, which has read them all; an encoder's first (BERT's ``[CLS]``).
+    default_pooling: str = "last"
+    #: True for an encoder whose every token attends to every other of its input (BERT):
+    #: each input then computes whole in one step, never in chunks (nothing before its last
+    #: token is final until then), and the prefix cache is off.
+    attends_whole_prompt: bool = False
 
     def keeping_hidden_states(self, forward) -> torch.Tensor:
         """``forward(hidden_out)`` of a model that appends to the list ``hidden_out`` (None:

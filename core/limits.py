@@ -23,8 +23,10 @@ class Limits:
     @property
     def max_embedding_len(self) -> int:
         """The most tokens an embedding model takes in one input: its context, or the KV
-        pool where that is smaller."""
-        return min(self.max_model_len, self.kv_capacity)
+        pool or (without chunked prefill) one step's budget where that is smaller."""
+        step = (self.engine.max_num_batched_tokens if not self.engine.chunked_prefill
+                else self.max_model_len)
+        return min(self.max_model_len, self.kv_capacity, step)
 
     def check_generation(self, n: int, max_tokens: int | None) -> None:
         """A prompt of ``n`` tokens that may grow by ``max_tokens`` (None: to the context)."""
@@ -45,7 +47,6 @@ class Limits:
         if n > self.max_embedding_len:
             raise ValueError(f"the input has {n} tokens; this model embeds at most "
                              f"{self.max_embedding_len}")
-        self._check_step_budget(n, "an input")
 
     def _check_step_budget(self, n: int, what: str) -> None:
         budget = self.engine.max_num_batched_tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -50,6 +51,8 @@ def load_model(model: ModelConfig, plugins: PluginManager, device: torch.device,
         spec = (plugins.family_for(name=model.family) if model.family
                 else plugins.family_for(**detect_architecture(path)))
         loaded = load_family(spec)(str(path), model, device, dtype)
+        if pooling is not None and pooling.method == "auto":
+            pooling = dataclasses.replace(pooling, method=loaded.runner.default_pooling)
         loaded.pooling = pooling
         return loaded
     except json.JSONDecodeError as e:

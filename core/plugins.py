@@ -21,7 +21,8 @@ from heron.core.kernels import register_kernel_file
 
 DEFAULT_PLUGINS = ("heron.plugins.transformer.plugin", "heron.plugins.hybrid_ssm.plugin",
                    "heron.plugins.mtp.plugin",
-                   "heron.plugins.lora.plugin", "heron.plugins.nllb.plugin")
+                   "heron.plugins.lora.plugin", "heron.plugins.nllb.plugin",
+                   "heron.plugins.bert.plugin")
 ENTRY_POINT_GROUP = "heron"
 
 

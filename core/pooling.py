@@ -29,7 +29,7 @@ _ST_NORMALIZE = "sentence_transformers.models.Normalize"
 
 @dataclass(frozen=True)
 class Pooling:
-    method: str  # "last" | "mean" | "cls"
+    method: str  # "last" | "mean" | "cls"; "auto" until the family's default is known
     normalize: bool
     labels: tuple[str, ...] = ()  # a classifier's, in the order of its logits; () embeds
 
@@ -42,6 +42,34 @@ class Pooling:
         """Whether every prompt token's row counts: then a prefix-cache hit, whose rows
         are not computed, cannot be used."""
         return self.method != "last"
+
+
+@dataclass(frozen=True)
+class ScoreHead:
+    """A sequence classifier's head over its pooled final hidden state ``v``: the labels'
+    logits ``weight @ v + bias``, after ``v = tanh(dense @ v + dense_bias)`` where the
+    checkpoint has that layer first (BERT's pooler, RoBERTa's classification head).
+    """
+
+    weight: torch.Tensor  # [labels, hidden]
+    bias: torch.Tensor | None = None
+    dense: tuple[torch.Tensor, torch.Tensor] | None = None  # ([hidden, hidden], [hidden])
+
+    @property
+    def num_labels(self) -> int:
+        return self.weight.shape[0]
+
+    def float(self) -> ScoreHead:
+        def f(t):
+            return None if t is None else t.float()
+        return ScoreHead(f(self.weight), f(self.bias),
+                         None if self.dense is None else (f(self.dense[0]), f(self.dense[1])))
+
+    def __call__(self, v: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None:
+            v = torch.tanh(torch.addmv(self.dense[1], self.dense[0], v))
+        logits = self.weight @ v
+        return logits if self.bias is None else logits + self.bias
 
 
 def _hf_config(path: Path) -> dict:
@@ -72,10 +100,11 @@ def resolve_pooling(model: ModelConfig, path: Path) -> Pooling | None:
     ``task = "auto"`` embeds a sentence-transformers checkpoint (``modules.json``) or a
     bare model, whose pooling and normalization then come from its modules unless
     ``[model]`` sets them, and classifies with a sequence-classification checkpoint
-    (its last token, not normalized, unless ``[model]`` says otherwise), as it does a
-    causal LM given ``classifier_from_tokens``. ConfigError for a model without an LM head
-    asked to generate, one without a score head asked to classify, or a pooling mode heron
-    does not implement."""
+    (not normalized, unless ``[model]`` says otherwise), as it does a causal LM given
+    ``classifier_from_tokens``. Where neither ``[model]`` nor the modules name the pooling,
+    it is "auto": the loaded family's `ModelRunner.default_pooling`. ConfigError for a
+    model without an LM head asked to generate, one without a score head asked to
+    classify, or a pooling mode heron does not implement."""
     modules = _st_modules(path)
     config = _hf_config(path)
     arch = _architecture(config)
@@ -106,11 +135,10 @@ def resolve_pooling(model: ModelConfig, path: Path) -> Pooling | None:
                               ", not a sequence-classification checkpoint (architecture "
                               "`...ForSequenceClassification`) with a score head, and "
                               "model.classifier_from_tokens is unset")
-        return Pooling("last" if model.pooling == "auto" else model.pooling,
-                       bool(model.normalize), labels)
+        return Pooling(model.pooling, bool(model.normalize), labels)
     method = model.pooling
-    if method == "auto":
-        method = _st_pooling(path, modules) if modules is not None else "last"
+    if method == "auto" and modules is not None:
+        method = _st_pooling(path, modules)
     normalize = model.normalize
     if normalize is None:
         normalize = modules is None or any(m.get("type") == _ST_NORMALIZE for m in modules)
@@ -125,7 +153,7 @@ def _st_modules(path: Path) -> list[dict] | None:
 def _st_pooling(path: Path, modules: list[dict]) -> str:
     module = next((m for m in modules if m.get("type") == _ST_POOLING), None)
     if module is None:
-        return "last"
+        return "auto"
     config = json.loads((path / module.get("path", "") / "config.json").read_text())
     chosen = [key for key, on in config.items() if key.startswith("pooling_mode_") and on]
     if len(chosen) != 1 or chosen[0] not in _ST_MODES:
@@ -143,14 +171,13 @@ class Pooler:
     may skip rows (no prefix-cache hits).
     """
 
-    def __init__(self, pooling: Pooling, classifier: torch.Tensor | None = None) -> None:
-        """``classifier``: the score head ``[labels, hidden]`` a classifying ``pooling``
-        needs."""
+    def __init__(self, pooling: Pooling, classifier: ScoreHead | None = None) -> None:
+        """``classifier``: the score head a classifying ``pooling`` needs."""
         if pooling.classifies and (classifier is None
-                                   or classifier.shape[0] != len(pooling.labels)):
+                                   or classifier.num_labels != len(pooling.labels)):
             raise ValueError(f"a classifier of {len(pooling.labels)} labels needs a score "
                              f"head of as many rows; the model has "
-                             f"{'none' if classifier is None else classifier.shape[0]}")
+                             f"{'none' if classifier is None else classifier.num_labels}")
         self.pooling = pooling
         self.classifier = None if classifier is None else classifier.float()
         self._partial: dict[int, torch.Tensor] = {}  # seq id -> sum of rows, or first row
@@ -178,7 +205,7 @@ class Pooler:
         if self.pooling.normalize:
             vector = F.normalize(vector, dim=-1)
         if self.pooling.classifies:
-            logits = self.classifier @ vector.to(self.classifier.device)
+            logits = self.classifier(vector.to(self.classifier.weight.device))
             vector = logits.sigmoid() if logits.numel() == 1 else logits.softmax(-1)
         return vector.cpu()
 

@@ -6,17 +6,18 @@ from __future__ import annotations
 from heron.core import PluginManager
 from tests.hybrid_models import HYBRIDS
 from tests.nllb_models import MODELS as NLLB
-from tests.tiny_models import BARE, CLASSIFIERS, FAMILIES
+from tests.tiny_models import BARE, CLASSIFIERS, ENCODERS, FAMILIES
 
 #: family name -> (where its tiny models are declared, those models); each table's parity
 #: test (tests/test_parity.py, tests/test_embeddings.py, tests/test_hybrid_parity.py,
-#: tests/test_nllb_engine.py) runs every model in it.
+#: tests/test_nllb_engine.py, tests/test_bert.py) runs every model in it.
 FAMILY_TESTS = {
     "transformer": ("tests/tiny_models.py FAMILIES, BARE and CLASSIFIERS",
                     {**FAMILIES, **BARE, **CLASSIFIERS}),
     "gpt2": ("tests/tiny_models.py FAMILIES", FAMILIES),
     "hybrid_ssm": ("tests/hybrid_models.py HYBRIDS", HYBRIDS),
     "nllb": ("tests/nllb_models.py MODELS", NLLB),
+    "bert": ("tests/tiny_models.py ENCODERS", ENCODERS),
 }
 
 

@@ -1,4 +1,5 @@
-"""Tiny random-weight decoder models built from transformers configs (no downloads)."""
+"""Tiny random-weight models built from transformers configs (no downloads): decoders, and
+BERT-style encoders (`build_tiny_encoder`)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,27 @@ CLASSIFIERS = {
                   {"head_dim": 32, "num_labels": 1}),
 }
 
+ENCODER_COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128)
+_ROBERTA = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1,
+                max_position_embeddings=130)  # positions from pad + 1: 128 tokens
+
+# BERT-style encoders (the bert family): embedding models, and cross-encoders with one label
+ENCODERS = {
+    "bert": (transformers.BertModel, transformers.BertConfig, {}),
+    "roberta": (transformers.RobertaModel, transformers.RobertaConfig,
+                {**_ROBERTA, "hidden_act": "gelu_new"}),
+    "xlm-roberta": (transformers.XLMRobertaModel, transformers.XLMRobertaConfig, _ROBERTA),
+    "bert-cls": (transformers.BertForSequenceClassification, transformers.BertConfig,
+                 {"num_labels": 1}),
+    "bert-cls3": (transformers.BertForSequenceClassification, transformers.BertConfig,
+                  {"num_labels": 3, "id2label": {0: "neg", 1: "neutral", 2: "pos"}}),
+    "roberta-cls": (transformers.RobertaForSequenceClassification, transformers.RobertaConfig,
+                    {**_ROBERTA, "num_labels": 2}),
+    "xlm-roberta-cls": (transformers.XLMRobertaForSequenceClassification,
+                        transformers.XLMRobertaConfig, {**_ROBERTA, "num_labels": 1}),
+}
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Paged attention keeps KV blocks in a pool; the scheduler hands them out.",
@@ -80,7 +102,7 @@ def save_tokenizer(directory: Path) -> None:
 def randomise_weights(model, std: float) -> None:
     """Norm weights uniform in [0.8, 1.2], every other parameter normal(0, ``std``)."""
     for name, p in model.named_parameters():
-        if "norm" in name or ".ln_" in name:
+        if "norm" in name.lower() or ".ln_" in name:
             p.uniform_(0.8, 1.2)
         else:
             p.normal_(0.0, std)
@@ -97,4 +119,49 @@ def build_tiny(kind: str, directory: Path, seed: int = 0, std: float = 0.3, **co
     randomise_weights(model, std)
     model.save_pretrained(directory)
     save_tokenizer(directory)
+    return model
+
+
+def save_encoder_tokenizer(directory: Path, roberta: bool) -> None:
+    """BERT's WordPiece tokenizer ([CLS] a [SEP] b [SEP], the second text of type 1) or
+    RoBERTa's byte-level BPE (<s> a </s></s> b </s>), trained on a few lines and saved the
+    way transformers saves tokenizers."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import trainers
+    if roberta:
+        specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(CORPUS, trainer)
+        tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+        names = dict(bos_token="<s>", eos_token="</s>", sep_token="</s>", cls_token="<s>",
+                     pad_token="<pad>", unk_token="<unk>", mask_token="<mask>")
+    else:
+        specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
+        tok.train_from_iterator(CORPUS, trainers.WordPieceTrainer(vocab_size=300,
+                                                                  special_tokens=specials))
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+        names = dict(cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]",
+                     unk_token="[UNK]", mask_token="[MASK]")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **names).save_pretrained(
+        directory)
+
+
+def build_tiny_encoder(kind: str, directory: Path, seed: int = 0, std: float = 0.3):
+    """Save a tiny BERT-style ``kind`` model (`ENCODERS`) with its tokenizer; return it."""
+    torch.manual_seed(seed)
+    model_cls, config_cls, extra = ENCODERS[kind]
+    model = model_cls(config_cls(**{**ENCODER_COMMON, **extra})).eval()
+    randomise_weights(model, std)
+    model.save_pretrained(directory)
+    save_encoder_tokenizer(directory, roberta="roberta" in kind)
     return model

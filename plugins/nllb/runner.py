@@ -17,7 +17,7 @@ import torch
 
 from heron.core import (Batch, CacheSpec, CacheTensors, EncoderChunk, KVCacheSpec, ModelInfo,
                         ModelRunner, StateSpec)
-from heron.core.ops import paged_attention, write_kv
+from heron.core.ops import packed_attention, paged_attention, write_kv
 from heron.plugins.nllb.model import NllbModel, attend
 
 
@@ -68,14 +68,14 @@ class NllbRunner(ModelRunner):
         if bool(resumed.any()):
             x[resumed] = hidden[slot_of[resumed], position[resumed]]
         scale = model.cfg.encoder_head_dim ** -0.5
-        everyone = _packed_attention(sizes, scale, dev)
+        everyone = packed_attention(sizes, scale, dev)
         for i in range(min(c.start for c in chunks), max(c.end for c in chunks)):
             active = [c.start <= i < c.end for c in chunks]
             if all(active):
                 x = model.encoder_layer(i, x, everyone)
                 continue
             rows = torch.tensor(active, device=dev)[chunk_of]
-            attention = _packed_attention([n for n, a in zip(sizes, active) if a], scale, dev)
+            attention = packed_attention([n for n, a in zip(sizes, active) if a], scale, dev)
             x[rows] = model.encoder_layer(i, x[rows], attention)
         finished = [c.end == self.encoder_stages for c in chunks]
         done = torch.tensor(finished, device=dev)[chunk_of]
@@ -169,25 +169,3 @@ class NllbRunner(ModelRunner):
                           self_attention, cross_attention)
         return model.logits(x.index_select(0, batch.logits_indices))
 
-
-def _packed_attention(sizes: list[int], scale: float, device: torch.device):
-    """Bidirectional attention over packed rows of sources of ``sizes`` tokens (each row sees
-    its own source's rows), as one padded SDPA call."""
-    longest = max(sizes)
-    # each packed row's place in the padded [sources * longest] layout
-    place = torch.cat([torch.arange(n) + i * longest for i, n in enumerate(sizes)]).to(device)
-    mask = torch.arange(longest)[None, :] < torch.tensor(sizes)[:, None]
-    mask = mask.to(device)[:, None, None, :]  # [sources, 1, 1, longest]
-
-    def pad(t):  # [N, H, D] -> [sources, H, longest, D]
-        out = t.new_zeros(len(sizes) * longest, *t.shape[1:])
-        out.index_copy_(0, place, t)
-        return out.view(len(sizes), longest, *t.shape[1:]).transpose(1, 2)
-
-    def attention(q, k, v):
-        o = torch.nn.functional.scaled_dot_product_attention(pad(q), pad(k), pad(v),
-                                                             attn_mask=mask, scale=scale)
-        o = o.transpose(1, 2).reshape(len(sizes) * longest, -1)
-        return o.index_select(0, place)
-
-    return attention

@@ -17,6 +17,7 @@ from heron.plugins.transformer.runner import TransformerRunner
 from heron.core.checkpoint import is_mtp_tensor, load_safetensors
 from heron.core.ops.linear import unpack_weight
 from heron.core.ops.quantized import QuantizedWeight
+from heron.core.pooling import ScoreHead
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
 
 
 def _classifier_from_tokens(model: TransformerModel, tokenizer: Tokenizer | None,
-                            tokens: list[str]) -> torch.Tensor:
+                            tokens: list[str]) -> ScoreHead:
     """A score head of the LM head's rows for ``tokens``; two, [no, yes], make one row,
     yes - no, whose sigmoid is the two-way softmax's probability of yes."""
     ids = [tokenizer.token_to_id(t) if tokenizer is not None else None for t in tokens]
@@ -66,4 +67,4 @@ def _classifier_from_tokens(model: TransformerModel, tokenizer: Tokenizer | None
         rows = QuantizedWeight(head.blocks[ids], head.qtype, head.in_features).dequantize()
     else:
         rows = unpack_weight(head)[ids].float()
-    return (rows[1] - rows[0])[None] if len(ids) == 2 else rows
+    return ScoreHead((rows[1] - rows[0])[None] if len(ids) == 2 else rows)

@@ -20,6 +20,7 @@ from heron.core.ops import (
 from heron.core.ops.linear import unpack_weight
 from heron.core.ops.lora import LayerLora, layer_loras
 from heron.core.ops.quantized import KeptWeight, QuantizedWeight
+from heron.core.pooling import ScoreHead
 from heron.plugins.transformer.config import TransformerConfig
 
 
@@ -190,7 +191,7 @@ class TransformerModel:
             lm_head = self.embed
         self.lm_head = pack_weight(lm_head)  # None: a bare model, which only embeds
         # a classifier's score head, which the engine's pooler applies
-        self.classifier = w.take("score.weight") if cfg.has_score_head else None
+        self.classifier = ScoreHead(w.take("score.weight")) if cfg.has_score_head else None
         self.cos_sin = rope_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings,
                                           cfg.rope_theta, cfg.rope_scaling).to(device)
         self.shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,

@@ -1,0 +1,34 @@
+"""Bidirectional attention over sequences packed into one flat batch (encoders: each row
+attends to every row of its own sequence, none of the others)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+PackedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def packed_attention(sizes: list[int], scale: float, device: torch.device) -> PackedAttention:
+    """``attention(q, k, v)`` for packed rows ``[N, H, D]`` of sequences of ``sizes`` rows,
+    one after another; returns ``[N, H * D]``. One padded SDPA call: the padding is built
+    once here and shared by every layer's call."""
+    longest = max(sizes)
+    # each packed row's place in the padded [sequences * longest] layout
+    place = torch.cat([torch.arange(n) + i * longest for i, n in enumerate(sizes)]).to(device)
+    mask = torch.arange(longest)[None, :] < torch.tensor(sizes)[:, None]
+    mask = mask.to(device)[:, None, None, :]  # [sequences, 1, 1, longest]
+
+    def pad(t):  # [N, H, D] -> [sequences, H, longest, D]
+        out = t.new_zeros(len(sizes) * longest, *t.shape[1:])
+        out.index_copy_(0, place, t)
+        return out.view(len(sizes), longest, *t.shape[1:]).transpose(1, 2)
+
+    def attention(q, k, v):
+        o = torch.nn.functional.scaled_dot_product_attention(pad(q), pad(k), pad(v),
+                                                             attn_mask=mask, scale=scale)
+        o = o.transpose(1, 2).reshape(len(sizes) * longest, -1)
+        return o.index_select(0, place)
+
+    return attention

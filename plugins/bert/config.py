@@ -1,0 +1,80 @@
+"""The BERT-style encoder facts heron needs (BERT, RoBERTa, XLM-RoBERTa), read from an HF
+``config.json`` dict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# architecture -> the prefix its tensors carry in a model with a head
+ENCODERS = {"BertModel": "bert", "RobertaModel": "roberta", "XLMRobertaModel": "roberta"}
+CLASSIFIERS = {a.removesuffix("Model") + "ForSequenceClassification": p
+               for a, p in ENCODERS.items()}
+ARCHITECTURES = (*ENCODERS, *CLASSIFIERS)
+# transformers' ACT2FN names heron computes (`heron.plugins.bert.model.ACTIVATIONS`)
+ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish")
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    architecture: str
+    prefix: str  # "bert" | "roberta": the tensors' prefix, and how positions are numbered
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    hidden_act: str
+    layer_norm_eps: float
+    max_position_embeddings: int
+    type_vocab_size: int
+    pad_token_id: int
+    is_classifier: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def position_offset(self) -> int:
+        """The position row of a sequence's first token: RoBERTa numbers positions from
+        ``pad_token_id + 1`` (its rows below are padding's)."""
+        return self.pad_token_id + 1 if self.prefix == "roberta" else 0
+
+    @property
+    def max_context_len(self) -> int:
+        return self.max_position_embeddings - self.position_offset
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> EncoderConfig:
+        arch = (cfg.get("architectures") or [""])[0]
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"the bert family does not serve {arch!r}")
+        kind = cfg.get("position_embedding_type", "absolute")
+        if kind != "absolute":
+            raise ValueError(f"{arch}: position_embedding_type {kind!r}; the bert family "
+                             "computes absolute position embeddings only")
+        act = cfg.get("hidden_act", "gelu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"{arch}: hidden_act {act!r}; the bert family computes "
+                             f"{', '.join(ACTIVATIONS)}")
+        if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
+            raise ValueError(f"{arch} is configured as a decoder; the bert family serves "
+                             "encoders")
+        if cfg["hidden_size"] % cfg["num_attention_heads"]:
+            raise ValueError(f"{arch}: hidden_size {cfg['hidden_size']} is not a multiple of "
+                             f"num_attention_heads {cfg['num_attention_heads']}")
+        return cls(
+            architecture=arch,
+            prefix=ENCODERS.get(arch) or CLASSIFIERS[arch],
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=cfg["num_attention_heads"],
+            hidden_act=act,
+            layer_norm_eps=cfg.get("layer_norm_eps", 1e-12),
+            max_position_embeddings=cfg.get("max_position_embeddings", 512),
+            type_vocab_size=cfg.get("type_vocab_size", 2),
+            pad_token_id=cfg.get("pad_token_id") or 0,
+            is_classifier=arch in CLASSIFIERS,
+        )

@@ -1,0 +1,116 @@
+"""BERT / RoBERTa / XLM-RoBERTa encoder math: plain tensors and functional ops, no nn.Module.
+
+Checkpoint facts (transformers' ``modeling_bert.py``, ``modeling_roberta.py``): post-norm
+layers (LayerNorm after each residual add) with biased projections, q scaled by
+``head_dim ** -0.5``, learned absolute positions (RoBERTa's from row ``pad_token_id + 1``)
+and token-type embeddings added to the token's, then a LayerNorm. A classifier's head reads
+the first token: BERT's pooler (dense, tanh) then ``classifier``; RoBERTa's
+``classifier.dense``, tanh, ``classifier.out_proj``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from heron.core import ScoreHead
+from heron.core.ops import linear, pack_weight
+from heron.core.ops.packed_attention import PackedAttention
+from heron.plugins.bert.config import EncoderConfig
+from heron.plugins.transformer.model import Weights
+
+ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swish": F.silu,
+               "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+@dataclass
+class Dense:
+    weight: torch.Tensor  # [out, in], `pack_weight`-ed
+    bias: torch.Tensor
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+@dataclass
+class Layer:
+    qkv: Dense  # q, k, v rows fused
+    attn_out: Dense
+    attn_norm: tuple[torch.Tensor, torch.Tensor]
+    up: Dense
+    down: Dense
+    ffn_norm: tuple[torch.Tensor, torch.Tensor]
+
+
+def checkpoint_names(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors named as a bare encoder's (``embeddings.``, ``encoder.``): without the
+    ``bert.`` / ``roberta.`` prefix a model with a head saves them under, and with old
+    checkpoints' LayerNorm ``gamma`` / ``beta`` called ``weight`` / ``bias``."""
+    def name(n: str) -> str:
+        n = n.removeprefix(prefix + ".")
+        return n.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta",
+                                                                          "LayerNorm.bias")
+    return {name(n): t for n, t in tensors.items()}
+
+
+class EncoderModel:
+    def __init__(self, cfg: EncoderConfig, tensors: dict[str, torch.Tensor], device,
+                 dtype: torch.dtype) -> None:
+        self.cfg = cfg
+        w = Weights(checkpoint_names(tensors, cfg.prefix), device, dtype)
+
+        def dense(name: str) -> Dense:
+            return Dense(pack_weight(w.take(f"{name}.weight")), w.take(f"{name}.bias"))
+
+        def norm(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+            return w.take(f"{name}.LayerNorm.weight"), w.take(f"{name}.LayerNorm.bias")
+
+        self.tokens = w.take("embeddings.word_embeddings.weight")
+        self.positions = w.take("embeddings.position_embeddings.weight")
+        self.types = w.take("embeddings.token_type_embeddings.weight")
+        self.embed_norm = norm("embeddings")
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"encoder.layer.{i}."
+            qkv = [f"{p}attention.self.{x}" for x in ("query", "key", "value")]
+            self.layers.append(Layer(
+                qkv=Dense(pack_weight(w.cat([f"{n}.weight" for n in qkv])),
+                          w.cat([f"{n}.bias" for n in qkv])),
+                attn_out=dense(f"{p}attention.output.dense"),
+                attn_norm=norm(f"{p}attention.output"),
+                up=dense(f"{p}intermediate.dense"),
+                down=dense(f"{p}output.dense"),
+                ffn_norm=norm(f"{p}output")))
+        self.head = score_head(w, cfg.prefix) if cfg.is_classifier else None
+        # a bare encoder's pooler (BERT's) and position-id buffers: what embedding does not read
+        self.unused_tensors = [n for n in w.tensors
+                               if not n.startswith("pooler.") and not n.endswith("_ids")]
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, types: torch.Tensor,
+                attention: PackedAttention) -> torch.Tensor:
+        """The final hidden states ``[T, hidden]`` of packed inputs' tokens ``ids``, at
+        ``positions`` (each input's from 0) of token types ``types``; ``attention`` over
+        each input's own rows."""
+        cfg = self.cfg
+        eps, act = cfg.layer_norm_eps, ACTIVATIONS[cfg.hidden_act]
+        x = (self.tokens[ids] + self.positions[positions + cfg.position_offset]
+             + self.types[types])
+        x = F.layer_norm(x, x.shape[-1:], *self.embed_norm, eps)
+        for layer in self.layers:
+            qkv = layer.qkv(x).view(x.shape[0], 3, cfg.num_heads, cfg.head_dim)
+            o = layer.attn_out(attention(qkv[:, 0], qkv[:, 1], qkv[:, 2]))
+            x = F.layer_norm(o + x, x.shape[-1:], *layer.attn_norm, eps)
+            h = layer.down(act(layer.up(x)))
+            x = F.layer_norm(h + x, x.shape[-1:], *layer.ffn_norm, eps)
+        return x
+
+
+def score_head(w: Weights, prefix: str) -> ScoreHead:
+    if prefix == "bert":  # its pooler, then the classifier
+        return ScoreHead(w.take("classifier.weight"), w.take("classifier.bias"),
+                         (w.take("pooler.dense.weight"), w.take("pooler.dense.bias")))
+    return ScoreHead(w.take("classifier.out_proj.weight"), w.take("classifier.out_proj.bias"),
+                     (w.take("classifier.dense.weight"), w.take("classifier.dense.bias")))

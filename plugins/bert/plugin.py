@@ -1,0 +1,12 @@
+"""Registers the bert family (BERT, RoBERTa, XLM-RoBERTa encoders: embedding models and
+cross-encoders)."""
+
+from heron.core.family import FamilySpec
+from heron.core.hookspecs import hookimpl
+from heron.plugins.bert.config import ARCHITECTURES
+
+
+@hookimpl
+def heron_register_families(register):
+    register(FamilySpec(name="bert", loader="heron.plugins.bert.loader:load",
+                        architectures=ARCHITECTURES))

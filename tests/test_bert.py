@@ -1,0 +1,186 @@
+"""The bert family (BERT, RoBERTa, XLM-RoBERTa encoders): embeddings and classifier
+probabilities against transformers' models of the same checkpoints, on transformers'
+tokenization (with its token types for a pair of texts)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+from transformers import AutoTokenizer
+
+from heron.core.config import ConfigError
+from tests.engine_utils import assert_no_leaks, make_engine
+from tests.test_embeddings import PROMPTS, _save_sentence_transformers
+from tests.tiny_models import ENCODER_COMMON, ENCODERS, build_tiny_encoder
+
+EMBEDDERS = [kind for kind in ENCODERS if "-cls" not in kind]
+CLASSIFIERS = [kind for kind in ENCODERS if "-cls" in kind]
+QUERY = "Which animal jumps over the dog?"
+
+
+@pytest.fixture(scope="module", params=EMBEDDERS)
+def embedder(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return build_tiny_encoder(request.param, path), path
+
+
+@pytest.fixture(scope="module", params=CLASSIFIERS)
+def classifier(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return build_tiny_encoder(request.param, path), path
+
+
+def hidden_states(model, tokenizer, *texts) -> torch.Tensor:
+    inputs = tokenizer(*texts, return_tensors="pt", return_token_type_ids=True)
+    with torch.no_grad():
+        return model(**inputs).last_hidden_state[0]
+
+
+def probabilities(model, tokenizer, *texts) -> torch.Tensor:
+    """transformers' logits (the first token's, through the checkpoint's head) softmaxed, or a
+    lone label's through a sigmoid."""
+    inputs = tokenizer(*texts, return_tensors="pt", return_token_type_ids=True)
+    with torch.no_grad():
+        logits = model(**inputs).logits[0]
+    return logits.sigmoid() if logits.numel() == 1 else logits.softmax(-1)
+
+
+class StepRecorder:
+    """Wraps the runner's forward and keeps each step's (query lengths, context lengths)."""
+
+    def __init__(self, engine) -> None:
+        self.steps: list[tuple[list[int], list[int]]] = []
+        forward = engine.runner.forward
+
+        def recording(batch):
+            self.steps.append((batch.attn.query_lens_list, batch.attn.seq_lens_list))
+            return forward(batch)
+
+        engine.runner.forward = recording
+
+
+@pytest.mark.parametrize("method", ["auto", "mean", "last"])
+def test_embeddings_match_transformers_with_inputs_packed_in_one_step(embedder, method):
+    model, path = embedder
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    engine = make_engine(path, **{"model.pooling": method})
+    assert engine.pooler.pooling.method == ("cls" if method == "auto" else method)
+    steps = StepRecorder(engine)
+    vectors = engine.embed(PROMPTS)
+    assert len(steps.steps) == 1 and len(steps.steps[0][0]) == len(PROMPTS)
+    for prompt, vector in zip(PROMPTS, vectors):
+        assert engine.tokenizer.encode(prompt) == tokenizer(prompt)["input_ids"]
+        hidden = hidden_states(model, tokenizer, prompt)
+        pooled = {"auto": hidden[0], "mean": hidden.mean(0), "last": hidden[-1]}[method]
+        assert vector.shape == (ENCODER_COMMON["hidden_size"],)
+        torch.testing.assert_close(vector, F.normalize(pooled, dim=-1), atol=1e-5, rtol=1e-5)
+    assert engine.prefix_cache is None
+    assert_no_leaks(engine)
+
+
+def test_inputs_compute_whole_and_one_past_the_step_budget_is_refused(embedder):
+    """With a step budget smaller than the longest prompt, chunked prefill stays off: the
+    others compute whole (each step's query lengths equal their context lengths), the long
+    one is refused, by name, before it runs."""
+    model, path = embedder
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    engine = make_engine(path, **{"engine.max_num_batched_tokens": 16,
+                                  "engine.chunked_prefill": True})
+    lengths = [len(engine.tokenizer.encode(p)) for p in PROMPTS]
+    short = [p for p, n in zip(PROMPTS, lengths) if n <= 16]
+    assert 0 < len(short) < len(PROMPTS)
+    steps = StepRecorder(engine)
+    for prompt, vector in zip(short, engine.embed(short)):
+        expected = F.normalize(hidden_states(model, tokenizer, prompt)[0], dim=-1)
+        torch.testing.assert_close(vector, expected, atol=1e-5, rtol=1e-5)
+    assert all(query == context for query, context in steps.steps)
+    with pytest.raises(ValueError, match="embeds at most 16"):
+        engine.embed(PROMPTS)
+    assert_no_leaks(engine)
+
+
+def test_an_input_longer_than_the_positions_is_refused(embedder):
+    _, path = embedder
+    engine = make_engine(path)
+    assert engine.max_model_len == 128  # RoBERTa's 130 positions start at pad + 1
+    engine.embed([[5] * 128])
+    with pytest.raises(ValueError, match="embeds at most 128"):
+        engine.embed([[5] * 129])
+    assert_no_leaks(engine)
+
+
+def test_a_sentence_transformers_encoder_pools_as_its_modules_say(tmp_path):
+    model = build_tiny_encoder("bert", tmp_path)
+    _save_sentence_transformers(tmp_path, "mean_tokens", normalize=False)
+    engine = make_engine(tmp_path)
+    assert engine.pooler.pooling.method == "mean" and not engine.pooler.pooling.normalize
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    torch.testing.assert_close(engine.embed([PROMPTS[0]])[0],
+                               hidden_states(model, tokenizer, PROMPTS[0]).mean(0),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_classifier_probabilities_match_transformers(classifier):
+    model, path = classifier
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    engine = make_engine(path)
+    labels = engine.pooler.pooling.labels
+    assert labels == tuple(model.config.id2label[i] for i in range(model.config.num_labels))
+    assert engine.pooler.pooling.method == "cls" and not engine.pooler.pooling.normalize
+    for prompt, probs in zip(PROMPTS, engine.embed(PROMPTS)):
+        torch.testing.assert_close(probs, probabilities(model, tokenizer, prompt),
+                                   atol=1e-5, rtol=1e-5)
+    assert_no_leaks(engine)
+
+
+def test_a_pair_is_typed_as_the_tokenizer_types_it(classifier):
+    """A cross-encoder's pair (`Tokenizer.encode_pair`): BERT's second text has token type
+    1, which changes the score; RoBERTa's tokenizer types every token 0."""
+    model, path = classifier
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    engine = make_engine(path)
+    pairs = [engine.tokenizer.encode_pair(QUERY, doc) for doc in PROMPTS]
+    for doc, ids, probs in zip(PROMPTS, pairs, engine.embed(pairs)):
+        assert ids == tokenizer(QUERY, doc)["input_ids"]
+        torch.testing.assert_close(probs, probabilities(model, tokenizer, QUERY, doc),
+                                   atol=1e-5, rtol=1e-5)
+    types = tokenizer(QUERY, PROMPTS[0], return_token_type_ids=True)["token_type_ids"]
+    assert (1 in types) == model.config.model_type.startswith("bert")
+    if 1 in types:  # the types matter: all zeros scores otherwise
+        with torch.no_grad():
+            untyped = model(torch.tensor([pairs[0]])).logits[0]
+        assert not torch.allclose(engine.embed([pairs[0]])[0],
+                                  untyped.sigmoid() if untyped.numel() == 1
+                                  else untyped.softmax(-1), atol=1e-4)
+
+
+def test_a_checkpoint_with_prefixed_and_old_style_names_loads(tmp_path):
+    """A ``BertModel`` whose tensors carry the ``bert.`` prefix and LayerNorm ``gamma`` /
+    ``beta`` (older checkpoints) embeds as the same model saved the usual way."""
+    model = build_tiny_encoder("bert", tmp_path)
+    file = tmp_path / "model.safetensors"
+    renamed = {"bert." + name.replace("LayerNorm.weight", "LayerNorm.gamma")
+               .replace("LayerNorm.bias", "LayerNorm.beta"): t.contiguous()
+               for name, t in model.state_dict().items()}
+    safetensors.torch.save_file(renamed, file)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    torch.testing.assert_close(make_engine(tmp_path).embed([PROMPTS[1]])[0],
+                               F.normalize(hidden_states(model, tokenizer, PROMPTS[1])[0], dim=-1),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_an_encoder_does_not_generate_and_unsupported_configs_are_named(tmp_path):
+    build_tiny_encoder("bert", tmp_path)
+    with pytest.raises(ConfigError, match="without an LM head"):
+        make_engine(tmp_path, **{"model.task": "generate"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key, value, message in [("position_embedding_type", "relative_key", "absolute"),
+                                ("hidden_act", "quick_gelu", "hidden_act"),
+                                ("is_decoder", True, "decoder")]:
+        (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(ValueError, match=message):
+            make_engine(tmp_path)
