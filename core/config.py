@@ -75,7 +75,8 @@ class ModelConfig(_Section):
     # against the first (Qwen3-Reranker's); more, the softmax over their logits
     classifier_from_tokens: list[str] | None = None
     # how an embedding pools its tokens' hidden states; auto: as the checkpoint's
-    # sentence-transformers Pooling module says, else "last"
+    # sentence-transformers Pooling module says, else the family's default ("last" for a
+    # decoder, "cls" for an encoder: `ModelRunner.default_pooling`)
     pooling: Literal["auto", "last", "mean", "cls"] = "auto"
     # L2-normalize embeddings; unset: as the checkpoint's sentence-transformers modules
     # say (a Normalize module), else true

@@ -184,3 +184,18 @@ def test_an_encoder_does_not_generate_and_unsupported_configs_are_named(tmp_path
         (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(ValueError, match=message):
             make_engine(tmp_path)
+
+
+def test_async_scheduling_embeds_the_same(classifier):
+    """With the next step planned while one runs (CUDA's default), each input still runs
+    once, whole, and the results equal a synchronous engine's."""
+    _, path = classifier
+    inputs = PROMPTS * 3
+    expected = make_engine(path).embed(inputs)
+    engine = make_engine(path, **{"engine.async_scheduling": "on",
+                                  "engine.max_num_batched_tokens": 80})
+    steps = StepRecorder(engine)
+    for got, want in zip(engine.embed(inputs), expected):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert len(steps.steps) > 1 and sum(len(q) for q, _ in steps.steps) == len(inputs)
+    assert_no_leaks(engine)

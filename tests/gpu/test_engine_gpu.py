@@ -207,6 +207,23 @@ def test_nllb_translations_on_cuda_match_cpu(tmp_path):
     assert nllb_outputs(tmp_path, tok, "cuda") == cpu
 
 
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta-cls"])
+def test_encoder_embeddings_on_cuda_match_cpu(kind, tmp_path):
+    """The bert family (whole inputs packed into one bidirectional SDPA call) on CUDA, async
+    scheduling on by default there, against CPU: an embedding model's vectors, a
+    cross-encoder's scores."""
+    from tests.test_embeddings import PROMPTS
+    from tests.tiny_models import build_tiny_encoder
+    torch.backends.cuda.matmul.allow_tf32 = False
+    build_tiny_encoder(kind, tmp_path)
+    cpu = make_engine(tmp_path).embed(PROMPTS * 4)
+    engine = make_engine(tmp_path, **{"model.device": "cuda", "model.dtype": "float32",
+                                      "engine.max_num_batched_tokens": 80})
+    for got, want in zip(engine.embed(PROMPTS * 4), cpu):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert_no_leaks(engine)
+
+
 def test_async_scheduling_on_cuda_changes_no_output(tmp_path):
     """On CUDA the step in flight really overlaps the host's work: its inputs cross in
     pinned memory, its sampled tokens are read on the device by the next step and copied
