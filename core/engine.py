@@ -66,8 +66,9 @@ class Engine:
         self.runner, self.tokenizer = loaded.runner, loaded.tokenizer
         info = self.runner.info
         self.pooler = self._build_pooler(loaded.pooling)
-        self.max_model_len = min(config.model.max_model_len or info.max_context_len,
-                                 info.max_context_len)
+        checkpoint_len = loaded.pooling.max_len if loaded.pooling is not None else None
+        self.max_model_len = min(config.model.max_model_len or checkpoint_len
+                                 or info.max_context_len, info.max_context_len)
         if (config.model.max_model_len or 0) > info.max_context_len:
             log.warning("model.max_model_len %d is past what %s takes (%d tokens): using %d",
                         config.model.max_model_len, info.name, info.max_context_len,

@@ -32,6 +32,9 @@ class Pooling:
     method: str  # "last" | "mean" | "cls"; "auto" until the family's default is known
     normalize: bool
     labels: tuple[str, ...] = ()  # a classifier's, in the order of its logits; () embeds
+    # the longest input the checkpoint embeds (sentence-transformers' `max_seq_length`):
+    # the engine's max_model_len unless [model] sets one
+    max_len: int | None = None
 
     @property
     def classifies(self) -> bool:
@@ -142,12 +145,19 @@ def resolve_pooling(model: ModelConfig, path: Path) -> Pooling | None:
     normalize = model.normalize
     if normalize is None:
         normalize = modules is None or any(m.get("type") == _ST_NORMALIZE for m in modules)
-    return Pooling(method, normalize)
+    return Pooling(method, normalize, max_len=_st_max_len(path) if modules is not None else None)
 
 
 def _st_modules(path: Path) -> list[dict] | None:
     file = path / "modules.json"
     return json.loads(file.read_text()) if path.is_dir() and file.is_file() else None
+
+
+def _st_max_len(path: Path) -> int | None:
+    """``max_seq_length`` of ``sentence_bert_config.json``: sentence-transformers cuts
+    longer inputs there (all-MiniLM's 256, of 512 positions)."""
+    file = path / "sentence_bert_config.json"
+    return json.loads(file.read_text()).get("max_seq_length") if file.is_file() else None
 
 
 def _st_pooling(path: Path, modules: list[dict]) -> str:

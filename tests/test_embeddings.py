@@ -153,6 +153,22 @@ def test_a_sentence_transformers_checkpoint_embeds_as_its_modules_say(tmp_path):
                                atol=1e-5, rtol=1e-5)
 
 
+def test_sentence_transformers_max_seq_length_bounds_inputs_unless_configured(tmp_path):
+    """sentence-transformers cuts inputs at its ``max_seq_length``; heron refuses longer
+    ones (a 400 over HTTP; `truncate_prompt_tokens` cuts) unless model.max_model_len says
+    otherwise."""
+    build_tiny("llama", tmp_path)
+    _save_sentence_transformers(tmp_path, "mean_tokens", normalize=True)
+    (tmp_path / "sentence_bert_config.json").write_text(json.dumps(
+        {"max_seq_length": 16, "do_lower_case": False}))
+    engine = make_engine(tmp_path)
+    assert engine.max_model_len == engine.limits.max_embedding_len == 16
+    engine.embed([[5] * 16])
+    with pytest.raises(ValueError, match="embeds at most 16"):
+        engine.embed([[5] * 17])
+    assert make_engine(tmp_path, **{"model.max_model_len": 40}).max_model_len == 40
+
+
 def test_a_pooling_mode_heron_lacks_is_refused_at_start(tmp_path):
     build_tiny("llama", tmp_path)
     _save_sentence_transformers(tmp_path, "max_tokens", normalize=True)
