@@ -199,3 +199,23 @@ def test_async_scheduling_embeds_the_same(classifier):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     assert len(steps.steps) > 1 and sum(len(q) for q, _ in steps.steps) == len(inputs)
     assert_no_leaks(engine)
+
+
+def test_a_checkpoint_with_only_vocab_txt_scores_pairs_as_transformers(tmp_path):
+    """Older BERT checkpoints ship ``vocab.txt`` and no ``tokenizer.json``: heron builds the
+    tokenizer through transformers' converter, pair template and token types included."""
+    model = build_tiny_encoder("bert-cls", tmp_path)
+    vocab = json.loads((tmp_path / "tokenizer.json").read_text())["model"]["vocab"]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).unlink()
+    (tmp_path / "vocab.txt").write_text("\n".join(sorted(vocab, key=vocab.get)) + "\n")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "BertTokenizer", "do_lower_case": True}))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    engine = make_engine(tmp_path)
+    for doc in PROMPTS:
+        ids = engine.tokenizer.encode_pair(QUERY, doc)
+        assert ids == tokenizer(QUERY, doc)["input_ids"]
+        torch.testing.assert_close(engine.embed([ids])[0],
+                                   probabilities(model, tokenizer, QUERY, doc),
+                                   atol=1e-5, rtol=1e-5)
