@@ -11,6 +11,7 @@ labels, or the sigmoid of a lone label's logit (a cross-encoder's relevance), as
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,29 +51,29 @@ class Pooling:
 @dataclass(frozen=True)
 class ScoreHead:
     """A sequence classifier's head over its pooled final hidden state ``v``: the labels'
-    logits ``weight @ v + bias``, after ``v = tanh(dense @ v + dense_bias)`` where the
-    checkpoint has that layer first (BERT's pooler, RoBERTa's classification head).
-    """
+    logits ``weight @ v + bias``, where a checkpoint has a layer first,
+    ``v = norm(activation(dense @ v + dense_bias))`` (BERT's pooler and RoBERTa's head: tanh
+    and no norm; ModernBERT's: GELU and a LayerNorm). Computed in the weights' dtype; the
+    logits come back in float32."""
 
     weight: torch.Tensor  # [labels, hidden]
     bias: torch.Tensor | None = None
-    dense: tuple[torch.Tensor, torch.Tensor] | None = None  # ([hidden, hidden], [hidden])
+    dense: tuple[torch.Tensor, torch.Tensor | None] | None = None  # [hidden, hidden], [hidden]
+    activation: Callable[[torch.Tensor], torch.Tensor] = torch.tanh
+    norm: tuple[torch.Tensor, torch.Tensor | None, float] | None = None  # weight, bias, eps
 
     @property
     def num_labels(self) -> int:
         return self.weight.shape[0]
 
-    def float(self) -> ScoreHead:
-        def f(t):
-            return None if t is None else t.float()
-        return ScoreHead(f(self.weight), f(self.bias),
-                         None if self.dense is None else (f(self.dense[0]), f(self.dense[1])))
-
     def __call__(self, v: torch.Tensor) -> torch.Tensor:
+        v = v.to(self.weight.dtype)
         if self.dense is not None:
-            v = torch.tanh(torch.addmv(self.dense[1], self.dense[0], v))
-        logits = self.weight @ v
-        return logits if self.bias is None else logits + self.bias
+            v = self.activation(F.linear(v, *self.dense))
+            if self.norm is not None:
+                weight, bias, eps = self.norm
+                v = F.layer_norm(v, weight.shape, weight, bias, eps)
+        return F.linear(v, self.weight, self.bias).float()
 
 
 def _hf_config(path: Path) -> dict:
@@ -189,7 +190,7 @@ class Pooler:
                              f"head of as many rows; the model has "
                              f"{'none' if classifier is None else classifier.num_labels}")
         self.pooling = pooling
-        self.classifier = None if classifier is None else classifier.float()
+        self.classifier = classifier
         self._partial: dict[int, torch.Tensor] = {}  # seq id -> sum of rows, or first row
 
     def feed(self, seq_id: int, rows: torch.Tensor, start: int,

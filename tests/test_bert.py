@@ -1,6 +1,7 @@
-"""The bert family (BERT, RoBERTa, XLM-RoBERTa encoders): embeddings and classifier
-probabilities against transformers' models of the same checkpoints, on transformers'
-tokenization (with its token types for a pair of texts)."""
+"""The bert family (BERT, RoBERTa, XLM-RoBERTa and ModernBERT encoders): embeddings and
+classifier probabilities against transformers' models of the same checkpoints, on
+transformers' tokenization (with its token types for a pair of texts, where the model takes
+them)."""
 
 from __future__ import annotations
 
@@ -34,18 +35,28 @@ def classifier(request, tmp_path_factory):
     return build_tiny_encoder(request.param, path), path
 
 
-def hidden_states(model, tokenizer, *texts) -> torch.Tensor:
+def takes_token_types(model) -> bool:
+    return getattr(model.config, "type_vocab_size", 0) > 1
+
+
+def encode(model, tokenizer, *texts) -> dict:
+    """transformers' inputs of ``texts`` for ``model``: token types where it takes them."""
     inputs = tokenizer(*texts, return_tensors="pt", return_token_type_ids=True)
+    if not hasattr(model.config, "type_vocab_size"):
+        del inputs["token_type_ids"]
+    return inputs
+
+
+def hidden_states(model, tokenizer, *texts) -> torch.Tensor:
     with torch.no_grad():
-        return model(**inputs).last_hidden_state[0]
+        return model(**encode(model, tokenizer, *texts)).last_hidden_state[0]
 
 
 def probabilities(model, tokenizer, *texts) -> torch.Tensor:
-    """transformers' logits (the first token's, through the checkpoint's head) softmaxed, or a
-    lone label's through a sigmoid."""
-    inputs = tokenizer(*texts, return_tensors="pt", return_token_type_ids=True)
+    """transformers' logits (through the checkpoint's head) softmaxed, or a lone label's
+    through a sigmoid."""
     with torch.no_grad():
-        logits = model(**inputs).logits[0]
+        logits = model(**encode(model, tokenizer, *texts)).logits[0]
     return logits.sigmoid() if logits.numel() == 1 else logits.softmax(-1)
 
 
@@ -103,13 +114,17 @@ def test_inputs_compute_whole_and_one_past_the_step_budget_is_refused(embedder):
     assert_no_leaks(engine)
 
 
-def test_an_input_longer_than_the_positions_is_refused(embedder):
-    _, path = embedder
-    engine = make_engine(path)
-    assert engine.max_model_len == 128  # RoBERTa's 130 positions start at pad + 1
-    engine.embed([[5] * 128])
-    with pytest.raises(ValueError, match="embeds at most 128"):
-        engine.embed([[5] * 129])
+def test_an_input_past_the_positions_or_the_step_budget_is_refused(embedder):
+    model, path = embedder
+    engine = make_engine(path, **{"engine.max_num_batched_tokens": 1024})
+    # RoBERTa's positions start at pad + 1; ModernBERT's 8192 are past the budget
+    positions = model.config.max_position_embeddings - (
+        model.config.pad_token_id + 1 if "roberta" in model.config.model_type else 0)
+    limit = min(positions, 1024)
+    assert engine.limits.max_embedding_len == limit in (128, 1024)
+    engine.embed([[5] * limit])
+    with pytest.raises(ValueError, match=f"embeds at most {limit}"):
+        engine.embed([[5] * (limit + 1)])
     assert_no_leaks(engine)
 
 
@@ -130,7 +145,8 @@ def test_classifier_probabilities_match_transformers(classifier):
     engine = make_engine(path)
     labels = engine.pooler.pooling.labels
     assert labels == tuple(model.config.id2label[i] for i in range(model.config.num_labels))
-    assert engine.pooler.pooling.method == "cls" and not engine.pooler.pooling.normalize
+    pooling = getattr(model.config, "classifier_pooling", "cls")  # ModernBERT's may be mean
+    assert engine.pooler.pooling.method == pooling and not engine.pooler.pooling.normalize
     for prompt, probs in zip(PROMPTS, engine.embed(PROMPTS)):
         torch.testing.assert_close(probs, probabilities(model, tokenizer, prompt),
                                    atol=1e-5, rtol=1e-5)
@@ -139,7 +155,8 @@ def test_classifier_probabilities_match_transformers(classifier):
 
 def test_a_pair_is_typed_as_the_tokenizer_types_it(classifier):
     """A cross-encoder's pair (`Tokenizer.encode_pair`): BERT's second text has token type
-    1, which changes the score; RoBERTa's tokenizer types every token 0."""
+    1, which changes the score; RoBERTa's tokenizer types every token 0, and ModernBERT
+    takes no types."""
     model, path = classifier
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = make_engine(path)
@@ -149,8 +166,8 @@ def test_a_pair_is_typed_as_the_tokenizer_types_it(classifier):
         torch.testing.assert_close(probs, probabilities(model, tokenizer, QUERY, doc),
                                    atol=1e-5, rtol=1e-5)
     types = tokenizer(QUERY, PROMPTS[0], return_token_type_ids=True)["token_type_ids"]
-    assert (1 in types) == model.config.model_type.startswith("bert")
-    if 1 in types:  # the types matter: all zeros scores otherwise
+    assert (1 in types) == (model.config.model_type in ("bert", "modernbert"))
+    if takes_token_types(model):  # the types matter: all zeros scores otherwise
         with torch.no_grad():
             untyped = model(torch.tensor([pairs[0]])).logits[0]
         assert not torch.allclose(engine.embed([pairs[0]])[0],

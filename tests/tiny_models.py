@@ -56,6 +56,11 @@ ENCODER_COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128,
 _ROBERTA = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1,
                 max_position_embeddings=130)  # positions from pad + 1: 128 tokens
 
+_MODERNBERT = dict(num_hidden_layers=3, global_attn_every_n_layers=3, local_attention=8,
+                   max_position_embeddings=8192, pad_token_id=0, cls_token_id=2,
+                   sep_token_id=3, bos_token_id=None, eos_token_id=None, norm_bias=True,
+                   mlp_bias=True, attention_bias=True, classifier_bias=True)
+
 # BERT-style encoders (the bert family): embedding models, and cross-encoders with one label
 ENCODERS = {
     "bert": (transformers.BertModel, transformers.BertConfig, {}),
@@ -68,6 +73,12 @@ ENCODERS = {
                   {"num_labels": 3, "id2label": {0: "neg", 1: "neutral", 2: "pos"}}),
     "roberta-cls": (transformers.RobertaForSequenceClassification, transformers.RobertaConfig,
                     {**_ROBERTA, "num_labels": 2}),
+    # two local layers of a 4-position reach among three, over the 8192 positions of the
+    # real models (rotary: the table is not weights); the BERT tokenizer
+    "modernbert": (transformers.ModernBertModel, transformers.ModernBertConfig, _MODERNBERT),
+    "modernbert-cls": (transformers.ModernBertForSequenceClassification,
+                       transformers.ModernBertConfig,
+                       {**_MODERNBERT, "num_labels": 2, "classifier_pooling": "mean"}),
     "xlm-roberta-cls": (transformers.XLMRobertaForSequenceClassification,
                         transformers.XLMRobertaConfig, {**_ROBERTA, "num_labels": 1}),
 }

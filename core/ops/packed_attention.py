@@ -10,15 +10,20 @@ import torch
 PackedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def packed_attention(sizes: list[int], scale: float, device: torch.device) -> PackedAttention:
+def packed_attention(sizes: list[int], scale: float, device: torch.device,
+                     window: int | None = None) -> PackedAttention:
     """``attention(q, k, v)`` for packed rows ``[N, H, D]`` of sequences of ``sizes`` rows,
-    one after another; returns ``[N, H * D]``. One padded SDPA call: the padding is built
-    once here and shared by every layer's call."""
+    one after another; returns ``[N, H * D]``. With ``window``, a row attends only to rows
+    at most that many positions from its own (a local layer's sliding window, both ways).
+    One padded SDPA call: the padding is built once here and shared by every layer's call."""
     longest = max(sizes)
     # each packed row's place in the padded [sequences * longest] layout
     place = torch.cat([torch.arange(n) + i * longest for i, n in enumerate(sizes)]).to(device)
-    mask = torch.arange(longest)[None, :] < torch.tensor(sizes)[:, None]
-    mask = mask.to(device)[:, None, None, :]  # [sequences, 1, 1, longest]
+    keys = torch.arange(longest)
+    mask = (keys[None, :] < torch.tensor(sizes)[:, None])[:, None, None, :]
+    if window is not None:  # [sequences, 1, 1, longest] -> [sequences, 1, longest, longest]
+        mask = mask & ((keys[:, None] - keys[None, :]).abs() <= window)
+    mask = mask.to(device)
 
     def pad(t):  # [N, H, D] -> [sequences, H, longest, D]
         out = t.new_zeros(len(sizes) * longest, *t.shape[1:])

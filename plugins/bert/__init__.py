@@ -1,1 +1,2 @@
-"""The BERT encoder family: BERT, RoBERTa and XLM-RoBERTa embedding models and cross-encoders."""
+"""The bert family: BERT, RoBERTa, XLM-RoBERTa and ModernBERT encoders (embedding models and
+cross-encoders)."""

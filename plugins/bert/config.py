@@ -1,4 +1,4 @@
-"""The BERT-style encoder facts heron needs (BERT, RoBERTa, XLM-RoBERTa), read from an HF
+"""The encoder facts heron needs (BERT, RoBERTa, XLM-RoBERTa; ModernBERT), read from an HF
 ``config.json`` dict."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from dataclasses import dataclass
 ENCODERS = {"BertModel": "bert", "RobertaModel": "roberta", "XLMRobertaModel": "roberta"}
 CLASSIFIERS = {a.removesuffix("Model") + "ForSequenceClassification": p
                for a, p in ENCODERS.items()}
-ARCHITECTURES = (*ENCODERS, *CLASSIFIERS)
-# transformers' ACT2FN names heron computes (`heron.plugins.bert.model.ACTIVATIONS`)
+MODERNBERT = ("ModernBertModel", "ModernBertForSequenceClassification")
+ARCHITECTURES = (*ENCODERS, *CLASSIFIERS, *MODERNBERT)
+# transformers' ACT2FN names heron computes (`heron.plugins.bert.model.ACTIVATION_FNS`)
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish")
 
 
@@ -77,4 +78,77 @@ class EncoderConfig:
             type_vocab_size=cfg.get("type_vocab_size", 2),
             pad_token_id=cfg.get("pad_token_id") or 0,
             is_classifier=arch in CLASSIFIERS,
+        )
+
+
+@dataclass(frozen=True)
+class ModernBertConfig:
+    """ModernBERT: pre-norm layers, rotary positions, a GeGLU FFN, and layers that attend
+    globally (every ``global_attn_every_n_layers``-th, from the first) or within a sliding
+    window of ``local_attention / 2`` positions either way, each kind with its rope theta."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    hidden_act: str
+    classifier_act: str
+    norm_eps: float
+    max_position_embeddings: int
+    window: int  # a local layer's reach either way
+    local_layers: tuple[bool, ...]
+    global_rope_theta: float
+    local_rope_theta: float
+    classifier_pooling: str  # "cls" | "mean"
+    is_classifier: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def max_context_len(self) -> int:
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> ModernBertConfig:
+        arch = (cfg.get("architectures") or [""])[0]
+        if arch not in MODERNBERT:
+            raise ValueError(f"{arch!r} is not a ModernBERT architecture")
+        for key in ("hidden_activation", "classifier_activation"):
+            if cfg.get(key, "gelu") not in ACTIVATIONS:
+                raise ValueError(f"{arch}: {key} {cfg[key]!r}; the bert family computes "
+                                 f"{', '.join(ACTIVATIONS)}")
+        num_layers = cfg["num_hidden_layers"]
+        # transformers 5 saves `layer_types` and `rope_parameters`; the checkpoints on the hub
+        # `global_attn_every_n_layers` and the two thetas
+        every = cfg.get("global_attn_every_n_layers", 3)
+        types = cfg.get("layer_types") or ["full_attention" if i % every == 0
+                                           else "sliding_attention" for i in range(num_layers)]
+        rope = cfg.get("rope_parameters") or {}
+        pooling = cfg.get("classifier_pooling", "cls")
+        if pooling not in ("cls", "mean"):
+            raise ValueError(f"{arch}: classifier_pooling {pooling!r}; the bert family pools "
+                             "with cls or mean")
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=num_layers,
+            num_heads=cfg["num_attention_heads"],
+            hidden_act=cfg.get("hidden_activation", "gelu"),
+            classifier_act=cfg.get("classifier_activation", "gelu"),
+            norm_eps=cfg.get("norm_eps", 1e-5),
+            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            window=cfg.get("local_attention", 128) // 2,
+            local_layers=tuple(t == "sliding_attention" for t in types),
+            global_rope_theta=float((rope.get("full_attention") or {}).get(
+                "rope_theta", cfg.get("global_rope_theta", 160000.0))),
+            local_rope_theta=float((rope.get("sliding_attention") or {}).get(
+                "rope_theta", cfg.get("local_rope_theta", 10000.0))),
+            classifier_pooling=pooling,
+            is_classifier=arch.endswith("ForSequenceClassification"),
         )

@@ -1,5 +1,5 @@
-"""Loads a BERT, RoBERTa or XLM-RoBERTa HF directory: an encoder (``...Model``, what
-embedding models are saved as) or a cross-encoder (``...ForSequenceClassification``)."""
+"""Loads a BERT, RoBERTa, XLM-RoBERTa or ModernBERT HF directory: an encoder (``...Model``,
+what embedding models are saved as) or a cross-encoder (``...ForSequenceClassification``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 from heron.core import LoadedModel, ModelConfig, ModelInfo, Tokenizer, load_safetensors
-from heron.plugins.bert.config import EncoderConfig
+from heron.plugins.bert.config import MODERNBERT, EncoderConfig, ModernBertConfig
 from heron.plugins.bert.model import EncoderModel
+from heron.plugins.bert.modernbert import ModernBertModel
 from heron.plugins.bert.runner import EncoderRunner
 
 log = logging.getLogger(__name__)
@@ -20,15 +21,25 @@ log = logging.getLogger(__name__)
 def load(path: str, model_config: ModelConfig, device: torch.device,
          dtype: torch.dtype) -> LoadedModel:
     source = Path(path)
-    cfg = EncoderConfig.from_hf(json.loads((source / "config.json").read_text()))
-    model = EncoderModel(cfg, load_safetensors(source, torch.float32), device, dtype)
+    config = json.loads((source / "config.json").read_text())
+    tensors = load_safetensors(source, torch.float32)
+    tokenizer = Tokenizer.from_hf_dir(source)
+    if (config.get("architectures") or [""])[0] in MODERNBERT:
+        cfg = ModernBertConfig.from_hf(config)
+        model = ModernBertModel(cfg, tensors, device, dtype)
+        sep, pooling = None, cfg.classifier_pooling  # no token types
+    else:
+        cfg = EncoderConfig.from_hf(config)
+        model = EncoderModel(cfg, tensors, device, dtype)
+        sep = second_text_marker(tokenizer) if cfg.type_vocab_size > 1 else None
+        pooling = "cls"
+    del tensors
     if model.unused_tensors:
         log.warning("checkpoint tensors not used: %s", model.unused_tensors[:8])
-    tokenizer = Tokenizer.from_hf_dir(source)
     info = ModelInfo.of_checkpoint(source.name, cfg.vocab_size, cfg.max_context_len, (),
                                    tokenizer, dtype, device)
     info.hidden_size = cfg.hidden_size
-    return LoadedModel(EncoderRunner(model, info, second_text_marker(tokenizer)), tokenizer)
+    return LoadedModel(EncoderRunner(model, info, sep, pooling), tokenizer)
 
 
 def second_text_marker(tokenizer: Tokenizer | None) -> int | None:

@@ -16,12 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from heron.core import ScoreHead
-from heron.core.ops import linear, pack_weight
-from heron.core.ops.packed_attention import PackedAttention
+from heron.core.ops import linear, pack_weight, packed_attention
 from heron.plugins.bert.config import EncoderConfig
 from heron.plugins.transformer.model import Weights
 
-ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swish": F.silu,
+ACTIVATION_FNS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swish": F.silu,
                "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -29,7 +28,7 @@ ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swish": F.silu,
 @dataclass
 class Dense:
     weight: torch.Tensor  # [out, in], `pack_weight`-ed
-    bias: torch.Tensor
+    bias: torch.Tensor | None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -89,15 +88,16 @@ class EncoderModel:
         self.unused_tensors = [n for n in w.tensors
                                if not n.startswith("pooler.") and not n.endswith("_ids")]
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, types: torch.Tensor,
-                attention: PackedAttention) -> torch.Tensor:
-        """The final hidden states ``[T, hidden]`` of packed inputs' tokens ``ids``, at
-        ``positions`` (each input's from 0) of token types ``types``; ``attention`` over
-        each input's own rows."""
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, sizes: list[int],
+                types: torch.Tensor | None) -> torch.Tensor:
+        """The final hidden states ``[T, hidden]`` of inputs of ``sizes`` tokens packed in
+        ``ids``, at ``positions`` (each input's from 0), of token types ``types`` (None:
+        all 0)."""
         cfg = self.cfg
-        eps, act = cfg.layer_norm_eps, ACTIVATIONS[cfg.hidden_act]
-        x = (self.tokens[ids] + self.positions[positions + cfg.position_offset]
-             + self.types[types])
+        eps, act = cfg.layer_norm_eps, ACTIVATION_FNS[cfg.hidden_act]
+        attention = packed_attention(sizes, cfg.head_dim ** -0.5, ids.device)
+        x = self.tokens[ids] + self.positions[positions + cfg.position_offset]
+        x = x + (self.types[0] if types is None else self.types[types])
         x = F.layer_norm(x, x.shape[-1:], *self.embed_norm, eps)
         for layer in self.layers:
             qkv = layer.qkv(x).view(x.shape[0], 3, cfg.num_heads, cfg.head_dim)

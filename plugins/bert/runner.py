@@ -10,21 +10,23 @@ from __future__ import annotations
 import torch
 
 from heron.core import Batch, CacheSpec, CacheTensors, KVCacheSpec, ModelInfo, ModelRunner
-from heron.core.ops import packed_attention
 from heron.plugins.bert.model import EncoderModel
+from heron.plugins.bert.modernbert import ModernBertModel
 
 
 class EncoderRunner(ModelRunner):
     attends_whole_prompt = True
     supports_hidden_states = True
-    default_pooling = "cls"
 
-    def __init__(self, model: EncoderModel, info: ModelInfo, sep_token_id: int | None) -> None:
+    def __init__(self, model: EncoderModel | ModernBertModel, info: ModelInfo,
+                 sep_token_id: int | None = None, default_pooling: str = "cls") -> None:
         """``sep_token_id``: the token that ends an input's first text, after which its
-        tokens are of type 1 (None: the tokenizer gives every token type 0)."""
+        tokens are of type 1 (None: the model takes no token types, or the tokenizer
+        gives every token type 0)."""
         self.model, self.info = model, info
         self.classifier = model.head
         self.sep_token_id = sep_token_id
+        self.default_pooling = default_pooling
 
     def cache_spec(self) -> CacheSpec:
         return CacheSpec(kv=KVCacheSpec(0, self.model.cfg.num_heads, self.model.cfg.head_dim))
@@ -32,11 +34,11 @@ class EncoderRunner(ModelRunner):
     def bind_cache(self, cache: CacheTensors) -> None:
         pass
 
-    def token_types(self, ids: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    def token_types(self, ids: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
         """Each token's type, as the tokenizer's pair template gives it: 1 past the first
-        separator of its input (a cross-encoder's second text), else 0."""
-        if self.sep_token_id is None or self.model.cfg.type_vocab_size < 2:
-            return torch.zeros_like(ids)
+        separator of its input (a cross-encoder's second text), else 0; None: all 0."""
+        if self.sep_token_id is None:
+            return None
         sep = ids == self.sep_token_id
         return torch.cat([(s.cumsum(0) - s.long()) > 0 for s in sep.split(sizes)]).long()
 
@@ -46,10 +48,8 @@ class EncoderRunner(ModelRunner):
         sizes = meta.query_lens_list
         if sizes != meta.seq_lens_list:
             raise RuntimeError("an encoder's input must compute whole in one step")
-        cfg = self.model.cfg
-        attention = packed_attention(sizes, cfg.head_dim ** -0.5, batch.input_ids.device)
-        hidden = self.model.forward(batch.input_ids, batch.positions,
-                                    self.token_types(batch.input_ids, sizes), attention)
+        hidden = self.model.forward(batch.input_ids, batch.positions, sizes,
+                                    self.token_types(batch.input_ids, sizes))
         # the engine only builds embedding and classification batches for this family
         # (`keep_hidden_states`): no logits
         self.hidden_states = hidden
