@@ -77,11 +77,6 @@ class Engine:
         engine = config.engine
         if self.runner.attends_whole_prompt:  # no row of an input is final before its last
             engine = msgspec.structs.replace(engine, chunked_prefill=False)
-            if engine.max_num_batched_tokens < self.max_model_len:
-                log.warning("%s computes each input whole in one step: inputs longer than "
-                            "engine.max_num_batched_tokens (%d) are refused (its context is "
-                            "%d)", info.name, engine.max_num_batched_tokens,
-                            self.max_model_len)
         self.num_kv_blocks = num_kv_blocks_for(spec, engine, self.dtype, self.max_model_len)
         self.limits = limits = Limits(self.max_model_len, self.num_kv_blocks, engine)
         if spec.kv is not None and limits.kv_capacity < self.max_model_len:

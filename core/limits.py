@@ -23,10 +23,9 @@ class Limits:
     @property
     def max_embedding_len(self) -> int:
         """The most tokens an embedding model takes in one input: its context, or the KV
-        pool or (without chunked prefill) one step's budget where that is smaller."""
-        step = (self.engine.max_num_batched_tokens if not self.engine.chunked_prefill
-                else self.max_model_len)
-        return min(self.max_model_len, self.kv_capacity, step)
+        pool where that is smaller. (An input past the step budget without chunked prefill
+        runs alone in a step: `heron.core.scheduler`.)"""
+        return min(self.max_model_len, self.kv_capacity)
 
     def check_generation(self, n: int, max_tokens: int | None) -> None:
         """A prompt of ``n`` tokens that may grow by ``max_tokens`` (None: to the context)."""

@@ -24,6 +24,10 @@ one stage is larger than a whole budget); once admitted, it runs at least one st
 step (the budget may be exceeded by that stage), so decodes that take the budget first
 cannot starve it. Its decoder rows may join the step that runs its last stage.
 
+Without chunked prefill a prompt computes whole; one larger than a whole budget (an
+encoder's input: decoders' prompts are refused there, `heron.core.limits`) runs alone in an
+otherwise empty step.
+
 Speculative drafts (`heron.core.speculative`) ride with their sequence's pending token in
 one chunk; they are cut to the budget, and dropped rather than preempt anyone for blocks.
 
@@ -419,7 +423,9 @@ class Scheduler:
             elif num_tokens > budget and self.chunked_prefill:
                 num_tokens = budget
             needed = self._blocks_needed(seq, num_tokens)
-            if (num_tokens + cost > budget or not self._can_allocate(needed)
+            # a whole prompt past the budget runs alone in an otherwise empty step
+            alone = not self.chunked_prefill and not out.scheduled
+            if (num_tokens + cost > budget and not alone or not self._can_allocate(needed)
                     or self._encoder_left(seq) and not stages):
                 self._release(seq)  # what the lookup took (the retry looks up afresh)
                 self._release_adapter(seq)

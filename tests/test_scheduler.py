@@ -52,6 +52,20 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
     assert b.status is SequenceStatus.WAITING
 
 
+def test_without_chunked_prefill_a_prompt_past_the_budget_runs_alone():
+    """An encoder's input longer than a whole budget waits for an empty step and runs
+    there whole, alone; those behind it wait their turn (first come, first served)."""
+    sched, _ = make(chunked_prefill=False)
+    small, big, after = seq(0, 10), seq(1, 40), seq(2, 4)
+    for s in (small, big, after):
+        sched.add(s)
+    for expected in ([(0, 10)], [(1, 40)], [(2, 4)]):
+        out = sched.schedule()
+        assert [(s.seq.seq_id, s.num_tokens) for s in out.scheduled] == expected
+        for item in out.scheduled:  # pooled: each input finishes in its step
+            sched.finish(item.seq)
+
+
 def test_max_num_seqs_limits_running():
     sched, _ = make(max_num_seqs=2)
     for i in range(3):

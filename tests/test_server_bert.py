@@ -19,7 +19,7 @@ from tests.tiny_models import build_tiny_encoder
 def embedder(tmp_path_factory):
     path = tmp_path_factory.mktemp("bert")
     model = build_tiny_encoder("bert", path)
-    # a step budget under the longest prompt: inputs compute whole, so it bounds them
+    # a step budget under the longest prompt: inputs compute whole, a longer one alone
     with serve(path, **{"engine.max_num_batched_tokens": 32}) as server:
         yield server, model, AutoTokenizer.from_pretrained(path)
 
@@ -34,27 +34,28 @@ def cross_encoder(tmp_path_factory):
 
 def test_embeddings_over_the_openai_client(embedder):
     server, model, tokenizer = embedder
-    fits = [p for p in PROMPTS if len(tokenizer(p)["input_ids"]) <= 32]
-    reply = server.client().embeddings.create(model="tiny", input=fits)
-    for item, prompt in zip(reply.data, fits):
+    assert max(len(tokenizer(p)["input_ids"]) for p in PROMPTS) > 32
+    reply = server.client().embeddings.create(model="tiny", input=PROMPTS)
+    for item, prompt in zip(reply.data, PROMPTS):
         expected = F.normalize(hidden_states(model, tokenizer, prompt)[0], dim=-1)
         torch.testing.assert_close(torch.tensor(item.embedding), expected, atol=1e-5,
                                    rtol=1e-5)
-    assert reply.usage.prompt_tokens == sum(len(tokenizer(p)["input_ids"]) for p in fits)
+    assert reply.usage.prompt_tokens == sum(len(tokenizer(p)["input_ids"]) for p in PROMPTS)
 
 
-def test_an_input_past_the_step_budget_is_a_400_or_cut_when_asked(embedder):
+def test_an_input_past_the_positions_is_a_400_or_cut_when_asked(embedder):
     server, model, tokenizer = embedder
-    ids = tokenizer(PROMPTS[2])["input_ids"]
-    assert len(ids) > 32
-    status, reply = post(server, "/v1/embeddings", {"input": PROMPTS[2]})
+    text = " ".join(PROMPTS) * 4
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) > 128
+    status, reply = post(server, "/v1/embeddings", {"input": text})
     assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
-    assert "at most 32" in reply["error"]["message"]
+    assert "at most 128" in reply["error"]["message"]
     status, reply = post(server, "/v1/embeddings", {"input": ids, "truncate_prompt_tokens": -1,
                                                     "encoding_format": "float"})
     assert status == 200, reply
     with torch.no_grad():
-        hidden = model(torch.tensor([ids[-32:]])).last_hidden_state[0]
+        hidden = model(torch.tensor([ids[-128:]])).last_hidden_state[0]
     torch.testing.assert_close(torch.tensor(reply["data"][0]["embedding"]),
                                F.normalize(hidden[0], dim=-1), atol=1e-5, rtol=1e-5)
     assert server.wait_for(lambda m: m["heron_kv_blocks_in_use"] == 0)
