@@ -233,3 +233,25 @@ def test_a_checkpoint_with_only_vocab_txt_scores_pairs_as_transformers(tmp_path)
         torch.testing.assert_close(engine.embed([ids])[0],
                                    probabilities(model, tokenizer, QUERY, doc),
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_a_modernbert_config_in_the_hub_s_older_form_reads_the_same(tmp_path):
+    """ModernBERT checkpoints on the hub spell their layers and thetas as
+    ``global_attn_every_n_layers``, ``global_rope_theta`` and ``local_rope_theta`` (which
+    transformers 5 saves as ``layer_types`` and ``rope_parameters``): the same model."""
+    model = build_tiny_encoder("modernbert", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    theta = {t: p["rope_theta"] for t, p in config.pop("rope_parameters").items()}
+    assert config.pop("layer_types") == ["full_attention", "sliding_attention",
+                                         "sliding_attention"]
+    (tmp_path / "config.json").write_text(json.dumps({
+        **config, "global_attn_every_n_layers": 3, "global_rope_theta": theta["full_attention"],
+        "local_rope_theta": theta["sliding_attention"]}))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    torch.testing.assert_close(make_engine(tmp_path).embed([PROMPTS[2]])[0],
+                               F.normalize(hidden_states(model, tokenizer, PROMPTS[2])[0], dim=-1),
+                               atol=1e-5, rtol=1e-5)
+    (tmp_path / "config.json").write_text(json.dumps({
+        **config, "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}}))
+    with pytest.raises(ValueError, match="rope_type 'yarn'"):
+        make_engine(tmp_path)

@@ -128,6 +128,16 @@ class ModernBertConfig:
         types = cfg.get("layer_types") or ["full_attention" if i % every == 0
                                            else "sliding_attention" for i in range(num_layers)]
         rope = cfg.get("rope_parameters") or {}
+        scaled = [p.get("rope_type") for p in (*rope.values(), cfg.get("rope_scaling") or {})
+                  if p and p.get("rope_type", "default") != "default"]
+        if scaled:
+            raise ValueError(f"{arch}: rope_type {scaled[0]!r}; the bert family computes "
+                             "ModernBERT's default rotary embedding only")
+        global_theta = float((rope.get("full_attention") or {}).get("rope_theta")
+                             or cfg.get("global_rope_theta") or 160000.0)
+        # an unset local theta is the global one (as transformers 4 read these configs)
+        local_theta = float((rope.get("sliding_attention") or {}).get("rope_theta")
+                            or cfg.get("local_rope_theta", 10000.0) or global_theta)
         pooling = cfg.get("classifier_pooling", "cls")
         if pooling not in ("cls", "mean"):
             raise ValueError(f"{arch}: classifier_pooling {pooling!r}; the bert family pools "
@@ -145,10 +155,8 @@ class ModernBertConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 8192),
             window=cfg.get("local_attention", 128) // 2,
             local_layers=tuple(t == "sliding_attention" for t in types),
-            global_rope_theta=float((rope.get("full_attention") or {}).get(
-                "rope_theta", cfg.get("global_rope_theta", 160000.0))),
-            local_rope_theta=float((rope.get("sliding_attention") or {}).get(
-                "rope_theta", cfg.get("local_rope_theta", 10000.0))),
+            global_rope_theta=global_theta,
+            local_rope_theta=local_theta,
             classifier_pooling=pooling,
             is_classifier=arch.endswith("ForSequenceClassification"),
         )
