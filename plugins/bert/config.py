@@ -16,24 +16,40 @@ ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish")
 
 
 @dataclass(frozen=True)
-class EncoderConfig:
+class EncoderShape:
+    """What every encoder of the family has."""
+
     architecture: str
-    prefix: str  # "bert" | "roberta": the tensors' prefix, and how positions are numbered
     vocab_size: int
     hidden_size: int
     intermediate_size: int
     num_layers: int
     num_heads: int
-    hidden_act: str
-    layer_norm_eps: float
-    max_position_embeddings: int
-    type_vocab_size: int
-    pad_token_id: int
     is_classifier: bool
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @staticmethod
+    def shape_of(cfg: dict, arch: str) -> dict:
+        if cfg["hidden_size"] % cfg["num_attention_heads"]:
+            raise ValueError(f"{arch}: hidden_size {cfg['hidden_size']} is not a multiple of "
+                             f"num_attention_heads {cfg['num_attention_heads']}")
+        return dict(architecture=arch, vocab_size=cfg["vocab_size"],
+                    hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+                    num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
+                    is_classifier=arch.endswith("ForSequenceClassification"))
+
+
+@dataclass(frozen=True)
+class EncoderConfig(EncoderShape):
+    prefix: str  # "bert" | "roberta": the tensors' prefix, and how positions are numbered
+    hidden_act: str
+    layer_norm_eps: float
+    max_position_embeddings: int
+    type_vocab_size: int
+    pad_token_id: int
 
     @property
     def position_offset(self) -> int:
@@ -61,38 +77,23 @@ class EncoderConfig:
         if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
             raise ValueError(f"{arch} is configured as a decoder; the bert family serves "
                              "encoders")
-        if cfg["hidden_size"] % cfg["num_attention_heads"]:
-            raise ValueError(f"{arch}: hidden_size {cfg['hidden_size']} is not a multiple of "
-                             f"num_attention_heads {cfg['num_attention_heads']}")
         return cls(
-            architecture=arch,
+            **cls.shape_of(cfg, arch),
             prefix=ENCODERS.get(arch) or CLASSIFIERS[arch],
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=cfg["num_attention_heads"],
             hidden_act=act,
             layer_norm_eps=cfg.get("layer_norm_eps", 1e-12),
             max_position_embeddings=cfg.get("max_position_embeddings", 512),
             type_vocab_size=cfg.get("type_vocab_size", 2),
             pad_token_id=cfg.get("pad_token_id") or 0,
-            is_classifier=arch in CLASSIFIERS,
         )
 
 
 @dataclass(frozen=True)
-class ModernBertConfig:
+class ModernBertConfig(EncoderShape):
     """ModernBERT: pre-norm layers, rotary positions, a GeGLU FFN, and layers that attend
     globally (every ``global_attn_every_n_layers``-th, from the first) or within a sliding
     window of ``local_attention / 2`` positions either way, each kind with its rope theta."""
 
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
     hidden_act: str
     classifier_act: str
     norm_eps: float
@@ -102,11 +103,6 @@ class ModernBertConfig:
     global_rope_theta: float
     local_rope_theta: float
     classifier_pooling: str  # "cls" | "mean"
-    is_classifier: bool
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
     @property
     def max_context_len(self) -> int:
@@ -143,12 +139,7 @@ class ModernBertConfig:
             raise ValueError(f"{arch}: classifier_pooling {pooling!r}; the bert family pools "
                              "with cls or mean")
         return cls(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=num_layers,
-            num_heads=cfg["num_attention_heads"],
+            **cls.shape_of(cfg, arch),
             hidden_act=cfg.get("hidden_activation", "gelu"),
             classifier_act=cfg.get("classifier_activation", "gelu"),
             norm_eps=cfg.get("norm_eps", 1e-5),
@@ -158,5 +149,4 @@ class ModernBertConfig:
             global_rope_theta=global_theta,
             local_rope_theta=local_theta,
             classifier_pooling=pooling,
-            is_classifier=arch.endswith("ForSequenceClassification"),
         )
