@@ -20,9 +20,12 @@ from heron.core.ops import linear, pack_weight, packed_attention
 from heron.plugins.bert.config import EncoderConfig
 from heron.plugins.transformer.model import Weights
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
 ACTIVATION_FNS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swish": F.silu,
-               "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+                  "gelu_new": _gelu_tanh, "gelu_pytorch_tanh": _gelu_tanh}
 
 
 @dataclass
