@@ -217,13 +217,19 @@ class EmbeddingUsage(_Out, kw_only=True):
     total_tokens: int
 
 
-class EmbeddingResponse(_Out, kw_only=True):
+class _PooledList(_Out, kw_only=True):
+    """What /v1/embeddings, /classify and /score answer: a ``data`` list (each subclass's
+    items) of one call's inputs."""
+
     id: str
     object: Literal["list"] = "list"
     created: int
     model: str
-    data: list[Embedding]
     usage: EmbeddingUsage
+
+
+class EmbeddingResponse(_PooledList, kw_only=True):
+    data: list[Embedding]
 
 
 # -- /classify, /score and /rerank -------------------------------------------------------
@@ -235,13 +241,8 @@ class Classification(_Out, kw_only=True):
     num_classes: int
 
 
-class ClassificationResponse(_Out, kw_only=True):
-    id: str
-    object: Literal["list"] = "list"
-    created: int
-    model: str
+class ClassificationResponse(_PooledList, kw_only=True):
     data: list[Classification]
-    usage: EmbeddingUsage
 
 
 class Score(_Out, kw_only=True):
@@ -250,13 +251,8 @@ class Score(_Out, kw_only=True):
     score: float
 
 
-class ScoreResponse(_Out, kw_only=True):
-    id: str
-    object: Literal["list"] = "list"
-    created: int
-    model: str
+class ScoreResponse(_PooledList, kw_only=True):
     data: list[Score]
-    usage: EmbeddingUsage
 
 
 class RerankDocument(_Out, kw_only=True):
