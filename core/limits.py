@@ -39,7 +39,10 @@ class Limits:
         if total > self.kv_capacity:
             raise ValueError(f"a sequence of {total} tokens needs more KV blocks than the pool "
                              f"holds ({self.num_kv_blocks} of {self.engine.block_size} tokens)")
-        self._check_step_budget(total, "prompt + max_tokens")
+        budget = self.engine.max_num_batched_tokens
+        if not self.engine.chunked_prefill and total > budget:
+            raise ValueError(f"without chunked prefill, prompt + max_tokens ({total} tokens) "
+                             f"must fit engine.max_num_batched_tokens ({budget})")
 
     def check_embedding(self, n: int) -> None:
         """An embedding model's input of ``n`` tokens."""
@@ -47,8 +50,3 @@ class Limits:
             raise ValueError(f"the input has {n} tokens; this model embeds at most "
                              f"{self.max_embedding_len}")
 
-    def _check_step_budget(self, n: int, what: str) -> None:
-        budget = self.engine.max_num_batched_tokens
-        if not self.engine.chunked_prefill and n > budget:
-            raise ValueError(f"without chunked prefill, {what} ({n} tokens) must fit "
-                             f"engine.max_num_batched_tokens ({budget})")
