@@ -1,6 +1,7 @@
 """POST /classify (vLLM's route, classifiers: `...ForSequenceClassification` checkpoints):
-each input's labels' probabilities, the last token's final hidden state through the
-model's score head (`heron.core.pooling`).
+each input's labels' probabilities, its pooled final hidden state (a decoder's last token,
+an encoder's first, unless configured) through the model's score head
+(`heron.core.pooling`).
 
 ``input`` is taken, truncated and checked as /v1/embeddings' is; all of a call's inputs run
 in the same steps.
