@@ -127,6 +127,7 @@ class _Pending:
     adapter: str | None = None
     encoder_prompt: list[int] | None = None
     grammar: object = None  # an llguidance.LLMatcher: params.structured_outputs, compiled
+    token_type_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -274,10 +275,12 @@ class AsyncEngine:
 
     async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                   sink: Sink, *, tenant: str = "", adapter: str | None = None,
-                  encoder_prompt: list[int] | None = None) -> None:
+                  encoder_prompt: list[int] | None = None,
+                  token_type_ids: list[int] | None = None) -> None:
         """Queue a request; returns once the engine accepted it (deltas then go to ``sink``).
         ``adapter``: the name of a loaded LoRA adapter to apply, or None for the base model;
-        ``encoder_prompt``: an encoder-decoder model's source (`Engine.add_request`)."""
+        ``encoder_prompt``: an encoder-decoder model's source, ``token_type_ids``: the
+        prompt tokens' types (`Engine.add_request`)."""
         grammar = None
         if params.structured_outputs is not None:
             # milliseconds to seconds (a large schema, a new tokenizer): in a thread of its
@@ -301,7 +304,8 @@ class AsyncEngine:
                                  f"{mine}", limit="max_waiting_tokens")
         accepted = asyncio.get_running_loop().create_future()
         self._pending[request_id] = _Pending(request_id, prompt_ids, params, sink, accepted,
-                                             tenant, adapter, encoder_prompt, grammar)
+                                             tenant, adapter, encoder_prompt, grammar,
+                                             token_type_ids)
         self._wake.set()
         await accepted
 
@@ -387,7 +391,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(p.request_id, p.prompt_ids, p.params, tenant=p.tenant,
                                         adapter=p.adapter, encoder_prompt=p.encoder_prompt,
-                                        grammar=p.grammar)
+                                        grammar=p.grammar, token_type_ids=p.token_type_ids)
             except Exception as e:  # the Engine's ValueError reaches the caller as is
                 p.accepted.set_exception(e)
                 continue

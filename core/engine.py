@@ -275,7 +275,8 @@ class Engine:
                     params: SamplingParams | None = None, *, tenant: str = "",
                     adapter: str | None = None,
                     encoder_prompt: str | list[int] | None = None,
-                    grammar: LLMatcher | None = None) -> None:
+                    grammar: LLMatcher | None = None,
+                    token_type_ids: list[int] | None = None) -> None:
         """Queue a request. Raises ValueError for a prompt or params the engine cannot serve.
 
         An encoder-decoder model (``runner.is_encoder_decoder``) needs ``encoder_prompt``
@@ -286,6 +287,10 @@ class Engine:
         Requests share prefix-cache blocks only with requests of the same ``tenant`` and
         ``adapter`` (a loaded LoRA adapter's name; None: the base model). With ``n > 1`` the
         first sequence computes the prompt and the others fork from it.
+
+        ``token_type_ids``: each prompt token's type, for a model that reads types
+        (``runner.num_token_types``; a cross-encoder's pair: `Tokenizer.encode_pair`); None
+        types every token 0.
 
         ``grammar``: ``params.structured_outputs`` compiled by `compile_grammar` (which takes
         milliseconds, at times more, so callers with a step loop to keep going compile
@@ -313,6 +318,7 @@ class Engine:
         else:
             self.limits.check_generation(len(prompt_ids), params.max_tokens)
         encoder_ids = self._encoder_prompt(encoder_prompt)
+        types = self._token_types(token_type_ids, len(prompt_ids))
         if grammar is None:
             grammar = self.compile_grammar(params)
         arrival = next(self._arrivals)
@@ -320,7 +326,7 @@ class Engine:
         namespace = Namespace(adapter=adapter_key, tenant=tenant)
         for index in range(params.n if params.num_beams == 1 else 1):
             seq = Sequence(next(self._seq_ids), request_id, prompt_ids, params, arrival,
-                           namespace, encoder_ids)
+                           namespace, encoder_ids, types)
             if params.seed is not None:
                 seq.generator = torch.Generator(self.device).manual_seed(params.seed + index)
             if grammar is not None:
@@ -392,6 +398,19 @@ class Engine:
             raise ValueError(f"structured_outputs is not available for model "
                              f"{self.runner.info.name!r}: an encoder-decoder")
         return self.grammars.compile(spec)
+
+    def _token_types(self, types: list[int] | None, num_tokens: int) -> tuple[int, ...]:
+        if types is None:
+            return ()
+        kinds = self.runner.num_token_types
+        if not kinds:
+            raise ValueError("this model reads no token types")
+        if len(types) != num_tokens:
+            raise ValueError(f"{len(types)} token types for a prompt of {num_tokens} tokens")
+        if (bad := next((t for t in types if not (isinstance(t, int) and 0 <= t < kinds)),
+                        None)) is not None:
+            raise ValueError(f"token type {bad!r} is outside 0..{kinds - 1}")
+        return tuple(types)
 
     def _encoder_prompt(self, prompt: str | list[int] | None) -> tuple[int, ...]:
         runner = self.runner
@@ -897,12 +916,19 @@ class Engine:
 
     # -- offline use ---------------------------------------------------------------------
 
-    def embed(self, prompts: list[str] | list[list[int]]) -> list[torch.Tensor]:
-        """An embedding model's vectors of ``prompts`` (float32, on the CPU), in order."""
+    def embed(self, prompts: list[str] | list[list[int]],
+              token_type_ids: list[list[int]] | None = None) -> list[torch.Tensor]:
+        """An embedding model's vectors of ``prompts`` (float32, on the CPU), in order; a
+        classifier's label probabilities. ``token_type_ids``: each prompt's token types,
+        for a model that reads them (a cross-encoder's pairs: `Tokenizer.encode_pair`)."""
         if self.pooler is None:
             raise ValueError(f"model {self.runner.info.name!r} generates text; it does not "
                              "embed (model.task)")
-        outputs = self.generate(prompts)
+        if token_type_ids is not None and len(token_type_ids) != len(prompts):
+            raise ValueError(f"{len(token_type_ids)} token type lists for {len(prompts)} "
+                             "prompts")
+        outputs = self._run_all(prompts, [None] * len(prompts),
+                                token_type_ids or [None] * len(prompts))
         failed = next((o.outputs[0] for o in outputs if o.embedding is None), None)
         if failed is not None:
             raise RuntimeError(f"embedding failed: {failed.error or failed.finish_reason}")
@@ -913,10 +939,15 @@ class Engine:
         """Run prompts to completion; results in prompt order. A prompt refused (a
         ValueError) runs none of them."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
+        return self._run_all(prompts, params_list, [None] * len(prompts))
+
+    def _run_all(self, prompts: list[str] | list[list[int]],
+                 params: list[SamplingParams | None],
+                 token_types: list[list[int] | None]) -> list[RequestOutput]:
         ids = [f"gen-{next(self._arrivals)}-{i}" for i in range(len(prompts))]
-        for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params_list)):
+        for i, (rid, prompt, p, types) in enumerate(zip(ids, prompts, params, token_types)):
             try:
-                self.add_request(rid, prompt, p)
+                self.add_request(rid, prompt, p, token_type_ids=types)
             except ValueError:
                 for added in ids[:i]:
                     self.abort(added)

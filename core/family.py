@@ -122,6 +122,10 @@ class ModelRunner(ABC):
     #: each input then computes whole in one step, never in chunks (nothing before its last
     #: token is final until then), and the prefix cache is off.
     attends_whole_prompt: bool = False
+    #: How many token types the model reads (BERT's segment embeddings: 2, the second text
+    #: of a cross-encoder's pair being type 1); 0: none. Requests may then carry each prompt
+    #: token's type (``Sequence.token_type_ids``, all 0 when they do not).
+    num_token_types: int = 0
 
     def keeping_hidden_states(self, forward) -> torch.Tensor:
         """``forward(hidden_out)`` of a model that appends to the list ``hidden_out`` (None:

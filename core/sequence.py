@@ -30,6 +30,8 @@ class Sequence:
     ``encoder_token_ids`` is an encoder-decoder model's source (the decoder's input is
     ``token_ids``); ``encoder_stages_done`` counts the stages of its encoder that have run
     (the scheduler spreads a long source's over steps; recompute resets it to zero).
+    ``token_type_ids`` are the prompt tokens' types for a model that reads them
+    (``ModelRunner.num_token_types``), () for all 0.
     ``draft_token_ids`` are tokens a proposer drafted to follow ``token_ids`` this step
     (`heron.core.speculative`): scheduled after them, never part of them.
     ``grammar`` is the matcher of its structured output (`heron.core.grammar`), if any;
@@ -44,14 +46,15 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_table", "status", "params", "arrival", "family_state", "generator",
         "namespace", "num_cached_tokens", "host_block_table", "state_slot", "lora_slot",
-        "encoder_token_ids", "encoder_stages_done", "draft_token_ids", "grammar",
+        "encoder_token_ids", "encoder_stages_done", "token_type_ids", "draft_token_ids", "grammar",
         "thinking", "num_thinking_tokens",
     )
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams, arrival: int,
                  namespace: Namespace = Namespace(),
-                 encoder_token_ids: tuple[int, ...] = ()) -> None:
+                 encoder_token_ids: tuple[int, ...] = (),
+                 token_type_ids: tuple[int, ...] = ()) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -70,6 +73,7 @@ class Sequence:
         self.lora_slot: int | None = None  # its adapter's slot while it runs (namespace.adapter)
         self.encoder_token_ids = encoder_token_ids  # an encoder-decoder's source; () otherwise
         self.encoder_stages_done = 0
+        self.token_type_ids = token_type_ids
         self.draft_token_ids: list[int] = []  # this step's speculative drafts, to verify
         self.grammar: Any = None  # an llguidance.LLMatcher: what the output may be next
         gate = params.reasoning

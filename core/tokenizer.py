@@ -71,10 +71,52 @@ class Tokenizer:
         """Token ids of ``text``; with ``add_special_tokens`` the model's BOS/EOS rule applies."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_pair(self, text: str, pair: str) -> list[int]:
-        """Token ids of two texts as one input, the tokenizer's pair template around them
-        (what a cross-encoder reads)."""
-        return self.backend.encode(text, pair).ids
+    def encode_pair(self, text: str, pair: str, keep: int | None = None,
+                    side: str = "right") -> tuple[list[int], list[int]]:
+        """Token ids and token types of two texts as one input, the tokenizer's pair
+        template around them (what a cross-encoder reads). With ``keep``, at most that
+        many: the template's special tokens stay and the texts lose tokens at their ends
+        (``side`` "left": their starts), the longer first, as transformers'
+        ``truncation=True`` cuts a pair. ValueError when ``keep`` cannot hold the template.
+        """
+        if keep is None:
+            both = self.backend.encode(text, pair)
+            return both.ids, both.type_ids
+        room = keep - self.backend.num_special_tokens_to_add(True)
+        if room < 0:
+            raise ValueError(f"{keep} tokens cannot hold the tokenizer's "
+                             f"{keep - room} special tokens around a pair")
+        first, second = (self.backend.encode(t, add_special_tokens=False) for t in (text, pair))
+        sizes = _longest_first(len(first), len(second), room)
+        first.truncate(sizes[0], direction=side)
+        second.truncate(sizes[1], direction=side)
+        both = self.backend.post_process(first, second)
+        return both.ids, both.type_ids
+
+    def truncate(self, ids: list[int], keep: int, side: str = "left") -> list[int]:
+        """``ids`` cut to their last ``keep`` tokens (``side`` "right": their first). Ids that
+        open and close as this tokenizer encodes one text (``[CLS]`` ... ``[SEP]``, a BOS)
+        keep those special tokens and lose tokens inside them, as transformers'
+        ``truncation=True`` cuts; a ``keep`` too small to hold them cuts plainly."""
+        if len(ids) <= keep:
+            return ids
+        head, tail = self._single_template
+        inner = keep - len(head) - len(tail)
+        if (inner >= 0 and len(ids) >= len(head) + len(tail) and ids[:len(head)] == head
+                and ids[len(ids) - len(tail):] == tail):
+            body = ids[len(head):len(ids) - len(tail)]
+            body = body[len(body) - inner:] if side == "left" else body[:inner]
+            return head + body + tail
+        return ids[len(ids) - keep:] if side == "left" else ids[:keep]
+
+    @cached_property
+    def _single_template(self) -> tuple[list[int], list[int]]:
+        """The special tokens the tokenizer puts before and after one text's."""
+        probe = self.backend.encode("a", add_special_tokens=True)
+        text = [i for i, s in enumerate(probe.sequence_ids) if s is not None]
+        if not text:
+            return [], []
+        return probe.ids[:text[0]], probe.ids[text[-1] + 1:]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``. Bytes of an incomplete UTF-8 character decode to U+FFFD."""
@@ -195,6 +237,19 @@ class Tokenizer:
         return cls(backend, special_tokens=special, eos_token_ids=eos_ids,
                    chat_template=field("tokenizer.chat_template"),
                    add_bos_token=add_bos and special["bos_token"] is not None)
+
+
+def _longest_first(n1: int, n2: int, room: int) -> tuple[int, int]:
+    """How many tokens of each text of a pair to keep in ``room``: the shorter whole where
+    the longer can take the rest, else half each (the first the smaller half), as the
+    tokenizers library's ``longest_first`` truncation decides (what transformers runs)."""
+    if n1 + n2 <= room:
+        return n1, n2
+    short, long_ = sorted((n1, n2))
+    long_ = short if short > room else max(short, room - short)
+    if short + long_ > room:
+        short, long_ = room // 2, room // 2 + room % 2
+    return (long_, short) if n1 > n2 else (short, long_)
 
 
 def _byte_alphabet() -> dict[int, str]:

@@ -102,24 +102,37 @@ def encode_prompts(app: web.Application, prompt: str | list[Any], field: str = "
     return texts, ids
 
 
-def truncate_prompts(prompts: list[list[int]], req, limit: int) -> list[list[int]]:
-    """vLLM's ``truncate_prompt_tokens`` of ``req``: each prompt's last ``keep`` tokens
-    (-1: the last ``limit``, what the model takes), its first with ``truncation_side:
-    "right"``; unset keeps them whole, and a prompt past the model's limits is then a 400
-    as ever. Asked for, truncation is no surprise: never otherwise."""
+def truncation_of(req, limit: int) -> int | None:
+    """How many tokens vLLM's ``truncate_prompt_tokens`` of ``req`` keeps of each prompt
+    (-1: ``limit``, what the model takes); None: unset, prompts stay whole, and one past the
+    model's limits is then a 400 as ever. Asked for, truncation is no surprise: never
+    otherwise."""
     keep = req.truncate_prompt_tokens
     if keep is None:
         if req.truncation_side is not None:
             raise bad_request("`truncation_side` needs `truncate_prompt_tokens`",
                               param="truncation_side")
-        return prompts
+        return None
     if keep == 0 or keep > limit:
         raise bad_request(f"`truncate_prompt_tokens` is {keep}; it must be -1 (the model's "
                           f"{limit}) or from 1 to {limit}", param="truncate_prompt_tokens")
-    keep = limit if keep == -1 else keep
-    if req.truncation_side == "right":
-        return [ids[:keep] for ids in prompts]
-    return [ids[-keep:] for ids in prompts]
+    return limit if keep == -1 else keep
+
+
+def truncate_prompts(app: web.Application, prompts: list[list[int]], req,
+                     limit: int) -> list[list[int]]:
+    """``prompts`` cut as `truncation_of` says: each to its last tokens, its first with
+    ``truncation_side: "right"``. A prompt that opens and closes with the special tokens
+    the tokenizer puts around a text (``[CLS]`` ... ``[SEP]``, a BOS) keeps them, as
+    transformers' and vLLM's tokenizer truncation does (`Tokenizer.truncate`)."""
+    keep = truncation_of(req, limit)
+    if keep is None:
+        return prompts
+    side = req.truncation_side or "left"
+    tokenizer = app[ASYNC_ENGINE].engine.tokenizer
+    if tokenizer is None:
+        return [ids[:keep] if side == "right" else ids[len(ids) - keep:] for ids in prompts]
+    return [tokenizer.truncate(ids, keep, side) for ids in prompts]
 
 
 def check_queue_room(app: web.Application, prompts: list[list[int]], field: str) -> None:

@@ -53,7 +53,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                             documents=req.documents)
     tokenizer = tokenizer_of(app)
     whole = tokenizer.encode(prompt_text, add_special_tokens=req.add_special_tokens)
-    prompt_ids, = truncate_prompts([whole], req, app[ASYNC_ENGINE].engine.max_model_len)
+    prompt_ids, = truncate_prompts(app, [whole], req, app[ASYNC_ENGINE].engine.max_model_len)
     if len(prompt_ids) < len(whole):  # the text of what the model reads, as echo's
         prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=False)
     max_tokens = req.max_completion_tokens or req.max_tokens

@@ -79,7 +79,7 @@ def _prompts(app: web.Application, req: CompletionRequest) -> tuple[list[str], l
     prompt's text (what ``echo`` returns) is then its kept tokens'."""
     texts, whole = encode_prompts(app, req.prompt, add_special_tokens=req.add_special_tokens)
     engine = app[ASYNC_ENGINE].engine
-    prompts = truncate_prompts(whole, req, engine.max_model_len)
+    prompts = truncate_prompts(app, whole, req, engine.max_model_len)
     return [text if len(ids) == len(before) or engine.tokenizer is None
             else engine.tokenizer.decode(ids, skip_special_tokens=False)
             for text, ids, before in zip(texts, prompts, whole)], prompts

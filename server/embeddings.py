@@ -72,13 +72,15 @@ class Pooled:
 
 
 async def pool(request: web.Request, kind: str, inputs: list[list[int]], priority: int,
-               adapter: str | None) -> Pooled:
+               adapter: str | None, token_types: list[list[int]] | None = None) -> Pooled:
     """Embed ``inputs`` (checked: `check_lengths`) as one call's engine requests, which run
-    in the same steps; a failure is raised as the error the client gets."""
+    in the same steps; a failure is raised as the error the client gets. ``token_types``:
+    each input's, for a model that reads them."""
     app = request.app
     params = validated(SamplingParams(max_tokens=1, priority=priority),
                        priorities=app[CONFIG].engine.scheduling_policy == "priority")
-    async with Generation(request, kind, inputs, params, adapter=adapter) as gen:
+    async with Generation(request, kind, inputs, params, adapter=adapter,
+                          token_types=token_types) as gen:
         await gen.run_to_end()
         if (error := gen.failure()) is not None:
             raise error
@@ -103,7 +105,7 @@ def encoded_inputs(app: web.Application, req, value, field: str
     """A request field's texts or token ids (as a completion's ``prompt``) as (texts, ids),
     each input truncated as ``req`` asks and checked against the model's limit."""
     texts, ids = encode_prompts(app, value, field=field)
-    ids = truncate_prompts(ids, req, app[ASYNC_ENGINE].engine.limits.max_embedding_len)
+    ids = truncate_prompts(app, ids, req, app[ASYNC_ENGINE].engine.limits.max_embedding_len)
     check_lengths(app, ids, field)
     return texts, ids
 
@@ -114,7 +116,7 @@ async def create_embedding(request: web.Request) -> web.Response:
     req = await decode_body(request, EmbeddingRequest)
     adapter = check_model(app, req.model)
     inputs = _inputs(app, req)
-    inputs = truncate_prompts(inputs, req, app[ASYNC_ENGINE].engine.limits.max_embedding_len)
+    inputs = truncate_prompts(app, inputs, req, app[ASYNC_ENGINE].engine.limits.max_embedding_len)
     width = app[ASYNC_ENGINE].engine.runner.info.hidden_size
     if req.dimensions is not None and req.dimensions != width:
         raise bad_request(f"`dimensions` is {req.dimensions}; this model's embeddings have "

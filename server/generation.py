@@ -57,7 +57,8 @@ class Generation:
                  params: SamplingParams, cache_salt: str | None = None, *,
                  adapter: str | None = None,
                  encoder_prompts: list[list[int]] | None = None, scoring: bool = False,
-                 background: bool = False) -> None:
+                 background: bool = False,
+                 token_types: list[list[int]] | None = None) -> None:
         """``scoring``: the call only scores its prompts (a completion's ``max_tokens: 0``
         with ``echo``); the token the engine generates for it is not the caller's, in usage
         or metrics. ``background``: the call runs on after its HTTP request has been
@@ -73,6 +74,7 @@ class Generation:
         self.request_id = request_id_of(request)
         self.kind, self.prompts, self.params = kind, prompts, params
         self.encoder_prompts = encoder_prompts
+        self.token_types = token_types  # each prompt's, for a model that reads them
         self.tenant = tenant_of(request)
         self.namespace = _namespace(self.tenant, cache_salt or "")
         self.created = int(time.time())
@@ -119,7 +121,9 @@ class Generation:
                               lambda delta: self._queue.put_nowait((p, delta)),
                               tenant=self.namespace, adapter=self.adapter,
                               encoder_prompt=(None if self.encoder_prompts is None
-                                              else self.encoder_prompts[p]))
+                                              else self.encoder_prompts[p]),
+                              token_type_ids=(None if self.token_types is None
+                                              else self.token_types[p]))
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
         # the handler left before the engine finished, or the deadline stopped it

@@ -5,20 +5,23 @@ With an embedding model (vLLM's bi-encoder scoring) a pair's score is the cosine
 similarity of its texts' vectors, and each text is embedded once: /score's one ``text_1``
 against N ``text_2`` is N + 1 inputs, not 2N. With a classifier of one label (a
 cross-encoder: `...ForSequenceClassification`, ``num_labels = 1``) each pair is one
-input, its two texts in the tokenizer's pair template, and its score the sigmoid of the
-label's logit. Either way all of a call's inputs run in the same steps (`embeddings.pool`),
-are truncated and checked as /v1/embeddings' inputs are, and errors name the text
-(``text_2[3]``, ``documents[0]``).
+input, its two texts in the tokenizer's pair template (BERT's second text of token type 1),
+and its score the sigmoid of the label's logit; ``truncate_prompt_tokens`` cuts a pair as
+transformers (and sentence-transformers' CrossEncoder) does: the template kept, the longer
+text first losing tokens at its end (``truncation_side: "left"``: its start). Either way all
+of a call's inputs run in the same steps (`embeddings.pool`), are checked as
+/v1/embeddings' inputs are, and errors name the text (``text_2[3]``, ``documents[0]``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from aiohttp import web
 
-from heron.server.admission import check_model, check_queue_room, tokenizer_of, truncate_prompts
+from heron.server.admission import check_model, check_queue_room, tokenizer_of, truncation_of
 from heron.server.appkeys import ASYNC_ENGINE, MODEL_NAME
 from heron.server.embeddings import (Pooled, check_lengths, encoded_inputs, pool,
                                      require_task)
@@ -55,28 +58,39 @@ def _check_pairing(num_firsts: int, num_seconds: int, field_1: str, field_2: str
                           param=field_1)
 
 
+@dataclass
+class _Inputs:
+    texts: list[str]  # the second field's
+    ids: list[list[int]]
+    num_firsts: int  # inputs that are the first field's texts (a bi-encoder's), 0 for pairs
+    token_types: list[list[int]] | None = None  # pairs', for a model that reads types
+
+
 def _bi_encoder_inputs(app: web.Application, req, first: tuple[str, Any],
-                       second: tuple[str, Any]) -> tuple[list[str], list[list[int]], int]:
-    """Every text of both fields, each embedded once: (the second field's texts, the
-    inputs, how many of them are the first field's)."""
+                       second: tuple[str, Any]) -> _Inputs:
+    """Every text of both fields, each embedded once."""
     _, firsts = encoded_inputs(app, req, first[1], first[0])
     texts, seconds = encoded_inputs(app, req, second[1], second[0])
     _check_pairing(len(firsts), len(seconds), first[0], second[0])
-    return texts, firsts + seconds, len(firsts)
+    return _Inputs(texts, firsts + seconds, len(firsts))
 
 
 def _cross_encoder_inputs(app: web.Application, req, first: tuple[str, Any],
-                          second: tuple[str, Any]) -> tuple[list[str], list[list[int]], int]:
-    """Each pair as one input, the tokenizer's pair template around its two texts: (the
-    second field's texts, the inputs, 0)."""
+                          second: tuple[str, Any]) -> _Inputs:
+    """Each pair as one input, the tokenizer's pair template around its two texts."""
     firsts, texts = _texts(first[1], first[0]), _texts(second[1], second[0])
     _check_pairing(len(firsts), len(texts), first[0], second[0])
-    tokenizer = tokenizer_of(app)
-    pairs = [tokenizer.encode_pair(a, b)
-             for a, b in zip(firsts * len(texts) if len(firsts) == 1 else firsts, texts)]
-    pairs = truncate_prompts(pairs, req, app[ASYNC_ENGINE].engine.limits.max_embedding_len)
-    check_lengths(app, pairs, second[0])
-    return texts, pairs, 0
+    tokenizer, engine = tokenizer_of(app), app[ASYNC_ENGINE].engine
+    keep = truncation_of(req, engine.limits.max_embedding_len)
+    try:
+        pairs = [tokenizer.encode_pair(a, b, keep, req.truncation_side or "right")
+                 for a, b in zip(firsts * len(texts) if len(firsts) == 1 else firsts, texts)]
+    except ValueError as e:  # a keep too small for the template
+        raise bad_request(f"`truncate_prompt_tokens`: {e}", param="truncate_prompt_tokens")
+    ids = [p[0] for p in pairs]
+    check_lengths(app, ids, second[0])
+    return _Inputs(texts, ids, 0,
+                   [p[1] for p in pairs] if engine.runner.num_token_types else None)
 
 
 async def _pair_scores(request: web.Request, task: str, req, kind: str,
@@ -87,15 +101,15 @@ async def _pair_scores(request: web.Request, task: str, req, kind: str,
     app = request.app
     adapter = check_model(app, req.model)
     make_inputs = _bi_encoder_inputs if task == "embed" else _cross_encoder_inputs
-    texts, inputs, num_firsts = make_inputs(app, req, first, second)
-    check_queue_room(app, inputs, second[0])
-    pooled = await pool(request, kind, inputs, req.priority, adapter)
+    inputs = make_inputs(app, req, first, second)
+    check_queue_room(app, inputs.ids, second[0])
+    pooled = await pool(request, kind, inputs.ids, req.priority, adapter, inputs.token_types)
     vectors = torch.stack(pooled.vectors).float()
-    if not num_firsts:  # a cross-encoder's: each pair's probability
-        return pooled, texts, vectors[:, 0].tolist()
-    ones, others = vectors[:num_firsts], vectors[num_firsts:]
+    if not inputs.num_firsts:  # a cross-encoder's: each pair's probability
+        return pooled, inputs.texts, vectors[:, 0].tolist()
+    ones, others = vectors[:inputs.num_firsts], vectors[inputs.num_firsts:]
     cosines = torch.nn.functional.cosine_similarity(ones.expand_as(others), others, dim=-1)
-    return pooled, texts, cosines.tolist()
+    return pooled, inputs.texts, cosines.tolist()
 
 
 async def create_score(request: web.Request) -> web.Response:

@@ -151,25 +151,44 @@ def test_classifier_probabilities_match_transformers(classifier):
 
 
 def test_a_pair_is_typed_as_the_tokenizer_types_it(classifier):
-    """A cross-encoder's pair (`Tokenizer.encode_pair`): BERT's second text has token type
-    1, which changes the score; RoBERTa's tokenizer types every token 0, and ModernBERT
-    takes no types."""
+    """A cross-encoder's pair (`Tokenizer.encode_pair`) with the token types transformers'
+    tokenizer gives it: BERT's second text of type 1, which changes the score, even where a
+    text holds the separator's own spelling; RoBERTa's tokenizer types every token 0, and
+    ModernBERT takes no types."""
     model, path = classifier
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = make_engine(path)
-    pairs = [engine.tokenizer.encode_pair(QUERY, doc) for doc in PROMPTS]
-    for doc, ids, probs in zip(PROMPTS, pairs, engine.embed(pairs)):
-        assert ids == tokenizer(QUERY, doc)["input_ids"]
-        torch.testing.assert_close(probs, probabilities(model, tokenizer, QUERY, doc),
+    spelt = f"the fox {tokenizer.sep_token} jumps"
+    texts = [*[(QUERY, doc) for doc in PROMPTS], (QUERY, spelt), (spelt, QUERY)]
+    pairs = [engine.tokenizer.encode_pair(*pair) for pair in texts]
+    expected = [tokenizer(*pair, return_token_type_ids=True) for pair in texts]
+    assert [p[0] for p in pairs] == [e["input_ids"] for e in expected]
+    assert [p[1] for p in pairs] == [e["token_type_ids"] for e in expected]
+    types = [p[1] for p in pairs] if takes_token_types(model) else None
+    got = engine.embed([p[0] for p in pairs], types)
+    for pair, probs in zip(texts, got):
+        torch.testing.assert_close(probs, probabilities(model, tokenizer, *pair),
                                    atol=1e-5, rtol=1e-5)
-    types = tokenizer(QUERY, PROMPTS[0], return_token_type_ids=True)["token_type_ids"]
-    assert (1 in types) == (model.config.model_type in ("bert", "modernbert"))
+    assert (1 in pairs[0][1]) == (model.config.model_type in ("bert", "modernbert"))
     if takes_token_types(model):  # the types matter: all zeros scores otherwise
-        with torch.no_grad():
-            untyped = model(torch.tensor([pairs[0]])).logits[0]
-        assert not torch.allclose(engine.embed([pairs[0]])[0],
-                                  untyped.sigmoid() if untyped.numel() == 1
-                                  else untyped.softmax(-1), atol=1e-4)
+        assert not torch.allclose(got[0], engine.embed([pairs[0][0]])[0], atol=1e-5)
+    else:
+        with pytest.raises(ValueError, match="reads no token types"):
+            engine.embed([pairs[0][0]], [pairs[0][1]])
+    assert_no_leaks(engine)
+
+
+def test_token_types_are_checked(tmp_path):
+    build_tiny_encoder("bert-cls", tmp_path)
+    engine = make_engine(tmp_path)
+    ids, types = engine.tokenizer.encode_pair(QUERY, PROMPTS[0])
+    for bad, message in [(types[:-1], "token types for a prompt of"),
+                         ([2] * len(ids), "outside 0..1")]:
+        with pytest.raises(ValueError, match=message):
+            engine.embed([ids], [bad])
+    with pytest.raises(ValueError, match="1 token type lists for 2 prompts"):
+        engine.embed([ids, ids], [types])
+    assert_no_leaks(engine)
 
 
 def test_a_checkpoint_with_prefixed_and_old_style_names_loads(tmp_path):
@@ -228,9 +247,9 @@ def test_a_checkpoint_with_only_vocab_txt_scores_pairs_as_transformers(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     engine = make_engine(tmp_path)
     for doc in PROMPTS:
-        ids = engine.tokenizer.encode_pair(QUERY, doc)
+        ids, types = engine.tokenizer.encode_pair(QUERY, doc)
         assert ids == tokenizer(QUERY, doc)["input_ids"]
-        torch.testing.assert_close(engine.embed([ids])[0],
+        torch.testing.assert_close(engine.embed([ids], [types])[0],
                                    probabilities(model, tokenizer, QUERY, doc),
                                    atol=1e-5, rtol=1e-5)
 

@@ -44,6 +44,8 @@ def test_embeddings_over_the_openai_client(embedder):
 
 
 def test_an_input_past_the_positions_is_a_400_or_cut_when_asked(embedder):
+    """A cut keeps ``[CLS]`` and ``[SEP]`` (what the model pools and was trained on), as
+    transformers' tokenizer truncates, whether the input came as text or as its ids."""
     server, model, tokenizer = embedder
     text = " ".join(PROMPTS) * 4
     ids = tokenizer(text)["input_ids"]
@@ -51,13 +53,19 @@ def test_an_input_past_the_positions_is_a_400_or_cut_when_asked(embedder):
     status, reply = post(server, "/v1/embeddings", {"input": text})
     assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
     assert "at most 128" in reply["error"]["message"]
-    status, reply = post(server, "/v1/embeddings", {"input": ids, "truncate_prompt_tokens": -1,
-                                                    "encoding_format": "float"})
-    assert status == 200, reply
-    with torch.no_grad():
-        hidden = model(torch.tensor([ids[-128:]])).last_hidden_state[0]
-    torch.testing.assert_close(torch.tensor(reply["data"][0]["embedding"]),
-                               F.normalize(hidden[0], dim=-1), atol=1e-5, rtol=1e-5)
+    for keep, side in [(-1, None), (20, None), (20, "right")]:
+        tokenizer.truncation_side = side or "left"
+        cut = tokenizer(text, truncation=True, max_length=128 if keep == -1 else keep)
+        for value in (text, ids):
+            status, reply = post(server, "/v1/embeddings", {
+                "input": value, "truncate_prompt_tokens": keep, "truncation_side": side,
+                "encoding_format": "float"})
+            assert status == 200, reply
+            assert reply["usage"]["prompt_tokens"] == len(cut["input_ids"])
+            with torch.no_grad():
+                hidden = model(torch.tensor([cut["input_ids"]])).last_hidden_state[0]
+            torch.testing.assert_close(torch.tensor(reply["data"][0]["embedding"]),
+                                       F.normalize(hidden[0], dim=-1), atol=1e-5, rtol=1e-5)
     assert server.wait_for(lambda m: m["heron_kv_blocks_in_use"] == 0)
 
 
@@ -77,3 +85,35 @@ def test_a_cross_encoder_scores_and_reranks_typed_pairs(cross_encoder):
     assert status == 200, classified
     assert classified["data"][0]["probs"] == pytest.approx(
         probabilities(model, tokenizer, PROMPTS[0]).tolist(), abs=1e-5)
+
+
+def test_a_cross_encoder_types_and_cuts_pairs_as_transformers(cross_encoder):
+    """A pair's token types are the tokenizer's, also where a text spells the separator;
+    ``truncate_prompt_tokens`` cuts a pair as transformers does (the template kept, the
+    longer text first, at its end or with ``truncation_side: "left"`` its start)."""
+    server, model, tokenizer = cross_encoder
+    spelt, long_doc = f"the fox {tokenizer.sep_token} jumps over", " ".join(PROMPTS)
+    status, reply = post(server, "/score", {"text_1": spelt, "text_2": [QUERY, long_doc]})
+    assert status == 200, reply
+    assert [d["score"] for d in reply["data"]] == pytest.approx(
+        [float(probabilities(model, tokenizer, spelt, d)) for d in (QUERY, long_doc)], abs=1e-5)
+    docs = [long_doc, PROMPTS[0]]
+    for keep, side in [(24, None), (24, "left"), (9, None)]:
+        tokenizer.truncation_side = side or "right"
+        cut = [tokenizer(QUERY, doc, truncation=True, max_length=keep, return_tensors="pt",
+                         return_token_type_ids=True)
+               for doc in docs]
+        with torch.no_grad():
+            expected = [float(model(**c).logits[0, 0].sigmoid()) for c in cut]
+        status, ranked = post(server, "/rerank", {
+            "query": QUERY, "documents": docs, "truncate_prompt_tokens": keep,
+            "truncation_side": side})
+        assert status == 200, ranked
+        assert ranked["usage"]["prompt_tokens"] == sum(c["input_ids"].numel() for c in cut)
+        for r in ranked["results"]:
+            assert r["relevance_score"] == pytest.approx(expected[r["index"]], abs=1e-5)
+    status, reply = post(server, "/rerank", {"query": QUERY, "documents": docs,
+                                              "truncate_prompt_tokens": 2})
+    assert status == 400 and reply["error"]["param"] == "truncate_prompt_tokens", reply
+    assert "3 special tokens" in reply["error"]["message"]
+    assert server.wait_for(lambda m: m["heron_kv_blocks_in_use"] == 0)

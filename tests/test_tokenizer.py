@@ -251,6 +251,48 @@ def test_hf_dir_matches_transformers(hf_pair):
             theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
+def test_truncate_keeps_the_special_tokens_as_transformers_does(hf_pair):
+    """Ids of a text cut to ``keep`` equal transformers' ``truncation=True`` encoding: a BOS
+    the tokenizer adds stays, whichever side loses tokens; ids without it cut plainly."""
+    ours, theirs, _ = hf_pair
+    text = TEXTS[2] + TEXTS[3]
+    ids = ours.encode(text)
+    for side in ("left", "right"):
+        theirs.truncation_side = side
+        for keep in range(1, 12):
+            assert ours.truncate(ids, keep, side) == theirs(text, truncation=True,
+                                                            max_length=keep)["input_ids"]
+    assert ours.truncate([5, 6, 7], 2) == [6, 7] and ours.truncate([5, 6, 7], 2, "right") == [5, 6]
+
+
+def test_pairs_encode_and_cut_as_transformers_does(tmp_path):
+    """BERT's and RoBERTa's pair templates: ids and token types, whole and cut to each
+    ``keep`` from one that holds just the template up (the longer text first), both sides."""
+    from transformers import AutoTokenizer
+
+    from tests.tiny_models import save_encoder_tokenizer
+
+    first, second = "the quick brown fox", "jumps over the lazy dog, twice [SEP] or more"
+    for roberta in (False, True):
+        path = tmp_path / str(roberta)
+        save_encoder_tokenizer(path, roberta)
+        ours, theirs = Tokenizer.from_hf_dir(path), AutoTokenizer.from_pretrained(path)
+        whole = theirs(first, second, return_token_type_ids=True)
+        assert ours.encode_pair(first, second) == (whole["input_ids"], whole["token_type_ids"])
+        specials = 4 if roberta else 3
+        for side in ("left", "right"):
+            theirs.truncation_side = side
+            for keep in range(specials, len(whole["input_ids"]) + 2):
+                cut = theirs(first, second, truncation=True, max_length=keep,
+                             return_token_type_ids=True)
+                assert ours.encode_pair(first, second, keep, side) == (
+                    cut["input_ids"], cut["token_type_ids"]), (roberta, side, keep)
+                cut_text = theirs(second, truncation=True, max_length=keep)["input_ids"]
+                assert ours.truncate(ours.encode(second), keep, side) == cut_text
+        with pytest.raises(ValueError, match=f"{specials} special tokens"):
+            ours.encode_pair(first, second, specials - 1)
+
+
 def test_hf_dir_template_in_config_and_missing_dir(tmp_path):
     assert Tokenizer.from_hf_dir(tmp_path) is None
     _tiny_backend().save(str(tmp_path / "tokenizer.json"))

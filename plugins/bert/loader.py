@@ -27,28 +27,16 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
     if (config.get("architectures") or [""])[0] in MODERNBERT:
         cfg = ModernBertConfig.from_hf(config)
         model = ModernBertModel(cfg, tensors, device, dtype)
-        sep, pooling = None, cfg.classifier_pooling  # no token types
+        pooling, types = cfg.classifier_pooling, 0
     else:
         cfg = EncoderConfig.from_hf(config)
         model = EncoderModel(cfg, tensors, device, dtype)
-        sep = second_text_marker(tokenizer) if cfg.type_vocab_size > 1 else None
-        pooling = "cls"
+        # BERT's two segment types; RoBERTa's one reads as none (every token is 0)
+        pooling, types = "cls", cfg.type_vocab_size if cfg.type_vocab_size > 1 else 0
     del tensors
     if model.unused_tensors:
         log.warning("checkpoint tensors not used: %s", model.unused_tensors[:8])
     info = ModelInfo.of_checkpoint(source.name, cfg.vocab_size, cfg.max_context_len, (),
                                    tokenizer, dtype, device)
     info.hidden_size = cfg.hidden_size
-    return LoadedModel(EncoderRunner(model, info, sep, pooling), tokenizer)
-
-
-def second_text_marker(tokenizer: Tokenizer | None) -> int | None:
-    """The token after which the tokenizer's pair template types tokens 1 (BERT's
-    ``[SEP]``): the one before the first token of type 1 in a pair's encoding. None when
-    its template gives every token type 0 (RoBERTa's)."""
-    if tokenizer is None:
-        return None
-    pair = tokenizer.backend.encode("a", "b")
-    if 1 not in pair.type_ids:
-        return None
-    return pair.ids[pair.type_ids.index(1) - 1]
+    return LoadedModel(EncoderRunner(model, info, pooling, types), tokenizer)

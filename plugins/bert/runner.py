@@ -19,14 +19,11 @@ class EncoderRunner(ModelRunner):
     supports_hidden_states = True
 
     def __init__(self, model: EncoderModel | ModernBertModel, info: ModelInfo,
-                 sep_token_id: int | None = None, default_pooling: str = "cls") -> None:
-        """``sep_token_id``: the token that ends an input's first text, after which its
-        tokens are of type 1 (None: the model takes no token types, or the tokenizer
-        gives every token type 0)."""
+                 default_pooling: str = "cls", num_token_types: int = 0) -> None:
         self.model, self.info = model, info
         self.classifier = model.head
-        self.sep_token_id = sep_token_id
         self.default_pooling = default_pooling
+        self.num_token_types = num_token_types
 
     def cache_spec(self) -> CacheSpec:
         return CacheSpec(kv=KVCacheSpec(0, self.model.cfg.num_heads, self.model.cfg.head_dim))
@@ -34,13 +31,13 @@ class EncoderRunner(ModelRunner):
     def bind_cache(self, cache: CacheTensors) -> None:
         pass
 
-    def token_types(self, ids: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
-        """Each token's type, as the tokenizer's pair template gives it: 1 past the first
-        separator of its input (a cross-encoder's second text), else 0; None: all 0."""
-        if self.sep_token_id is None:
+    def token_types(self, batch: Batch) -> torch.Tensor | None:
+        """Each row's token type, as its request gave them; None: all 0."""
+        if not any(seq.token_type_ids for seq in batch.seqs):
             return None
-        sep = ids == self.sep_token_id
-        return torch.cat([(s.cumsum(0) - s.long()) > 0 for s in sep.split(sizes)]).long()
+        types = [seq.token_type_ids or (0,) * n
+                 for seq, n in zip(batch.seqs, batch.attn.query_lens_list)]
+        return torch.tensor([t for row in types for t in row], device=batch.input_ids.device)
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -49,7 +46,7 @@ class EncoderRunner(ModelRunner):
         if sizes != meta.seq_lens_list:
             raise RuntimeError("an encoder's input must compute whole in one step")
         hidden = self.model.forward(batch.input_ids, batch.positions, sizes,
-                                    self.token_types(batch.input_ids, sizes))
+                                    self.token_types(batch))
         # the engine only builds embedding and classification batches for this family
         # (`keep_hidden_states`): no logits
         self.hidden_states = hidden
