@@ -1,16 +1,18 @@
-"""Encoder throughput: heron's bert family against transformers on a BERT-base-shaped model.
+"""Encoder throughput: heron's bert family against transformers on a base-sized model.
 
 A random-weight ``BertModel`` of bert-base's shape (12 layers, 768 wide, 12 heads: the shape
-of bge-base and e5-base; no download) saved with a WordPiece tokenizer of its vocabulary
-size. The same ``--inputs`` token-id inputs (``--min-len`` to ``--max-len`` tokens, CLS
+of bge-base and e5-base; no download), or with ``--model deberta-v3`` a ``DebertaV2Model``
+of deberta-v3-base's (the same widths; relative positions on 256 log buckets, the shape of
+the DeBERTa-v3 cross-encoders and NLI classifiers), saved with a WordPiece tokenizer of its
+vocabulary size. The same ``--inputs`` token-id inputs (``--min-len`` to ``--max-len`` tokens, CLS
 pooling, L2-normalized, fp32 on the CPU) go through heron's ``Engine.embed`` (whole inputs
 packed into steps of ``engine.max_num_batched_tokens``) and through transformers' model the
 way sentence-transformers runs it (inputs sorted by length, padded batches of
 ``--batch``, SDPA). Each system's best of ``--rounds`` counts. Reports inputs/s, tokens/s,
 heron ÷ transformers, and the least cosine similarity of the two systems' vectors. Writes
-``bench/results/encoders-<date>.json`` and a markdown table (``.md``).
+``bench/results/encoders-<model>-<date>.json`` and a markdown table (``.md``).
 
-    python -m bench.encoders [--inputs 128] [--rounds 2]
+    python -m bench.encoders [--model bert|deberta-v3] [--inputs 128] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -30,14 +32,25 @@ from bench.machine import describe
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def save_model(directory: Path) -> None:
-    """bert-base's shape, random weights (std 0.02, as BERT initializes), and a WordPiece
+def model_config(name: str):
+    import transformers
+    if name == "bert":
+        return transformers.BertConfig()  # bert-base-uncased's
+    return transformers.DebertaV2Config(  # microsoft/deberta-v3-base's
+        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+        vocab_size=128100, relative_attention=True, pos_att_type=["p2c", "c2p"],
+        position_biased_input=False, position_buckets=256, max_relative_positions=-1,
+        norm_rel_ebd="layer_norm", share_att_key=True, type_vocab_size=0,
+        layer_norm_eps=1e-7)
+
+
+def save_model(directory: Path, config) -> None:
+    """``config``'s shape, random weights (std 0.02, as BERT initializes), and a WordPiece
     tokenizer whose vocabulary is the model's (made-up pieces: the inputs are token ids)."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     torch.manual_seed(0)
-    config = transformers.BertConfig()  # bert-base-uncased's
-    transformers.BertModel(config).eval().save_pretrained(directory)
+    transformers.AutoModel.from_config(config).eval().save_pretrained(directory)
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     vocab = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range(
         config.vocab_size - len(specials))])}
@@ -77,7 +90,7 @@ def run_heron(path: Path, items: list[list[int]], rounds: int) -> tuple[list[flo
 def run_transformers(path: Path, items: list[list[int]], rounds: int,
                      batch: int) -> tuple[list[float], list]:
     import transformers
-    model = transformers.BertModel.from_pretrained(path, attn_implementation="sdpa").eval()
+    model = transformers.AutoModel.from_pretrained(path).eval()  # BERT's: SDPA
     order = sorted(range(len(items)), key=lambda i: len(items[i]))
 
     def embed() -> list[torch.Tensor]:
@@ -105,7 +118,8 @@ def run_transformers(path: Path, items: list[list[int]], rounds: int,
 
 
 def markdown(r: dict) -> str:
-    lines = [f"A random-weight BERT-base-shaped encoder (CLS pooling, normalized, fp32), "
+    lines = [f"A random-weight {r['model']}-base-shaped encoder (CLS pooling, normalized, "
+             "fp32), "
              f"{r['inputs']} inputs of {r['min_len']}-{r['max_len']} tokens "
              f"({r['tokens']} tokens), {r['machine']['threads']} threads, best of "
              f"{r['rounds']} rounds, {r['date']}.", "",
@@ -125,6 +139,7 @@ def markdown(r: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["bert", "deberta-v3"], default="bert")
     parser.add_argument("--inputs", type=int, default=128)
     parser.add_argument("--min-len", type=int, default=16)
     parser.add_argument("--max-len", type=int, default=256)
@@ -135,12 +150,12 @@ def main() -> None:
     import transformers
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp)
-        save_model(path)
-        items = inputs(args.inputs, args.min_len, args.max_len,
-                       transformers.BertConfig().vocab_size)
+        path, config = Path(tmp), model_config(args.model)
+        save_model(path, config)
+        items = inputs(args.inputs, args.min_len, args.max_len, config.vocab_size)
         tokens = sum(map(len, items))
-        results = {"date": dt.datetime.now().replace(microsecond=0).isoformat(),
+        results = {"model": args.model,
+                   "date": dt.datetime.now().replace(microsecond=0).isoformat(),
                    "inputs": len(items), "tokens": tokens, "min_len": args.min_len,
                    "max_len": args.max_len, "rounds": args.rounds, "batch": args.batch,
                    "transformers": transformers.__version__, "machine": describe(),
@@ -157,7 +172,7 @@ def main() -> None:
                   flush=True)
     results["least_cosine"] = min(float(torch.dot(a, b)) for a, b in
                                   zip(outputs["heron"], outputs["transformers"]))
-    stem = args.out / f"encoders-{results['date'][:10]}"
+    stem = args.out / f"encoders-{args.model}-{results['date'][:10]}"
     stem.with_suffix(".json").write_text(json.dumps(results, indent=1))
     stem.with_suffix(".md").write_text(markdown(results))
     print(markdown(results))

@@ -169,7 +169,7 @@ def test_a_pair_is_typed_as_the_tokenizer_types_it(classifier):
     for pair, probs in zip(texts, got):
         torch.testing.assert_close(probs, probabilities(model, tokenizer, *pair),
                                    atol=1e-5, rtol=1e-5)
-    assert (1 in pairs[0][1]) == (model.config.model_type in ("bert", "modernbert"))
+    assert (1 in pairs[0][1]) == ("roberta" not in model.config.model_type)  # the tokenizer
     if takes_token_types(model):  # the types matter: all zeros scores otherwise
         assert not torch.allclose(got[0], engine.embed([pairs[0][0]])[0], atol=1e-5)
     else:
@@ -214,6 +214,17 @@ def test_an_encoder_does_not_generate_and_unsupported_configs_are_named(tmp_path
     for key, value, message in [("position_embedding_type", "relative_key", "absolute"),
                                 ("hidden_act", "quick_gelu", "hidden_act"),
                                 ("is_decoder", True, "decoder")]:
+        (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(ValueError, match=message):
+            make_engine(tmp_path)
+
+
+def test_unsupported_deberta_configs_are_named(tmp_path):
+    build_tiny_encoder("deberta-v2", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key, value, message in [("conv_kernel_size", 3, "convolution"),
+                                ("attention_head_size", 8, "attention_head_size"),
+                                ("pooler_hidden_act", "quick_gelu", "pooler_hidden_act")]:
         (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(ValueError, match=message):
             make_engine(tmp_path)

@@ -1,6 +1,6 @@
-"""A BERT embedding model and a BERT cross-encoder served over HTTP: the openai client's
-embeddings, and /score and /rerank, against transformers' models of the same checkpoints
-(`tests.test_bert`)."""
+"""A BERT embedding model and BERT and DeBERTa cross-encoders served over HTTP: the openai
+client's embeddings, and /score and /rerank, against transformers' models of the same
+checkpoints (`tests.test_bert`)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ def embedder(tmp_path_factory):
         yield server, model, AutoTokenizer.from_pretrained(path)
 
 
-@pytest.fixture(scope="module")
-def cross_encoder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bert-cls")
-    model = build_tiny_encoder("bert-cls", path)
+@pytest.fixture(scope="module", params=["bert-cls", "deberta-v2-cls"])
+def cross_encoder(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    model = build_tiny_encoder(request.param, path)
     with serve(path) as server:
         yield server, model, AutoTokenizer.from_pretrained(path)
 

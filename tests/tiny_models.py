@@ -81,6 +81,21 @@ ENCODERS = {
                        {**_MODERNBERT, "num_labels": 2, "classifier_pooling": "mean"}),
     "xlm-roberta-cls": (transformers.XLMRobertaForSequenceClassification,
                         transformers.XLMRobertaConfig, {**_ROBERTA, "num_labels": 1}),
+    # DeBERTa-v3's form: relative positions alone, on log buckets (8 here, so the inputs'
+    # distances reach the log scale), keys shared with the content's, no token types
+    "deberta-v2": (transformers.DebertaV2Model, transformers.DebertaV2Config,
+                   {"relative_attention": True, "pos_att_type": ["p2c", "c2p"],
+                    "position_biased_input": False, "position_buckets": 8,
+                    "max_relative_positions": 128, "norm_rel_ebd": "layer_norm",
+                    "share_att_key": True, "type_vocab_size": 0}),
+    # DeBERTa-v2's older form: absolute positions and token types too, position keys and
+    # queries of their own, a narrower embedding projected up, unbucketed distances
+    "deberta-v2-cls": (transformers.DebertaV2ForSequenceClassification,
+                       transformers.DebertaV2Config,
+                       {"relative_attention": True, "pos_att_type": "c2p|p2c",
+                        "position_biased_input": True, "max_relative_positions": 16,
+                        "type_vocab_size": 2, "embedding_size": 48, "num_labels": 1,
+                        "pooler_hidden_act": "tanh"}),
 }
 
 CORPUS = [

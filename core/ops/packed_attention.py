@@ -7,15 +7,18 @@ from collections.abc import Callable
 
 import torch
 
-PackedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+PackedAttention = Callable[..., torch.Tensor]
 
 
 def packed_attention(sizes: list[int], scale: float, device: torch.device,
                      window: int | None = None) -> PackedAttention:
-    """``attention(q, k, v)`` for packed rows ``[N, H, D]`` of sequences of ``sizes`` rows,
-    one after another; returns ``[N, H * D]``. With ``window``, a row attends only to rows
-    at most that many positions from its own (a local layer's sliding window, both ways).
-    One padded SDPA call: the padding is built once here and shared by every layer's call."""
+    """``attention(q, k, v, bias=None)`` for packed rows ``[N, H, D]`` of sequences of
+    ``sizes`` rows, one after another; returns ``[N, H * D]``. With ``window``, a row
+    attends only to rows at most that many positions from its own (a local layer's sliding
+    window, both ways). ``bias(q, k)``, of the padded ``[sequences, H, longest, D]`` q and
+    k, gives an additive score bias ``[sequences, H, longest, longest]`` (DeBERTa's relative
+    positions), added to the scaled ``q . k``. One padded SDPA call: the padding is built
+    once here and shared by every layer's call."""
     longest = max(sizes)
     # each packed row's place in the padded [sequences * longest] layout
     place = torch.cat([torch.arange(n) + i * longest for i, n in enumerate(sizes)]).to(device)
@@ -30,9 +33,11 @@ def packed_attention(sizes: list[int], scale: float, device: torch.device,
         out.index_copy_(0, place, t)
         return out.view(len(sizes), longest, *t.shape[1:]).transpose(1, 2)
 
-    def attention(q, k, v):
-        o = torch.nn.functional.scaled_dot_product_attention(pad(q), pad(k), pad(v),
-                                                             attn_mask=mask, scale=scale)
+    def attention(q, k, v, bias=None):
+        q, k = pad(q), pad(k)
+        scores = mask if bias is None else bias(q, k).masked_fill(~mask, float("-inf"))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, pad(v), attn_mask=scores,
+                                                             scale=scale)
         o = o.transpose(1, 2).reshape(len(sizes) * longest, -1)
         return o.index_select(0, place)
 

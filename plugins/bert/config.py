@@ -1,5 +1,5 @@
-"""The encoder facts heron needs (BERT, RoBERTa, XLM-RoBERTa; ModernBERT), read from an HF
-``config.json`` dict."""
+"""The encoder facts heron needs (BERT, RoBERTa, XLM-RoBERTa; ModernBERT; DeBERTa-v2/v3),
+read from an HF ``config.json`` dict."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ ENCODERS = {"BertModel": "bert", "RobertaModel": "roberta", "XLMRobertaModel": "
 CLASSIFIERS = {a.removesuffix("Model") + "ForSequenceClassification": p
                for a, p in ENCODERS.items()}
 MODERNBERT = ("ModernBertModel", "ModernBertForSequenceClassification")
-ARCHITECTURES = (*ENCODERS, *CLASSIFIERS, *MODERNBERT)
+DEBERTA = ("DebertaV2Model", "DebertaV2ForSequenceClassification")
+ARCHITECTURES = (*ENCODERS, *CLASSIFIERS, *MODERNBERT, *DEBERTA)
 # transformers' ACT2FN names heron computes (`heron.plugins.bert.model.ACTIVATION_FNS`)
-ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish")
+ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish", "tanh")
 
 
 @dataclass(frozen=True)
@@ -149,4 +150,80 @@ class ModernBertConfig(EncoderShape):
             global_rope_theta=global_theta,
             local_rope_theta=local_theta,
             classifier_pooling=pooling,
+        )
+
+
+@dataclass(frozen=True)
+class DebertaConfig(EncoderShape):
+    """DeBERTa-v2 and -v3: BERT's post-norm layers with disentangled attention, where each
+    score adds the query's content against the key's relative position (``c2p``) and the
+    key's content against the query's (``p2c``), relative positions bucketed on a log scale
+    past ``position_buckets / 2``; absolute positions (``position_biased_input``) and token
+    types only where configured (v3 has neither)."""
+
+    hidden_act: str
+    pooler_act: str
+    layer_norm_eps: float
+    max_position_embeddings: int
+    type_vocab_size: int
+    embedding_size: int
+    absolute_positions: bool  # position_biased_input
+    relative_attention: bool
+    c2p: bool
+    p2c: bool
+    position_buckets: int  # 0: relative positions unbucketed
+    max_relative_positions: int
+    norm_rel_embeddings: bool
+    share_att_key: bool  # position keys and queries through the content projections
+
+    @property
+    def span(self) -> int:
+        """Relative positions reach this far either way (the table has twice as many rows)."""
+        return self.position_buckets or self.max_relative_positions
+
+    @property
+    def max_context_len(self) -> int:
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> DebertaConfig:
+        arch = (cfg.get("architectures") or [""])[0]
+        if arch not in DEBERTA:
+            raise ValueError(f"{arch!r} is not a DeBERTa-v2 architecture")
+        for key in ("hidden_act", "pooler_hidden_act"):
+            if cfg.get(key, "gelu") not in ACTIVATIONS:
+                raise ValueError(f"{arch}: {key} {cfg[key]!r}; the bert family computes "
+                                 f"{', '.join(ACTIVATIONS)}")
+        if cfg.get("conv_kernel_size", 0) > 0:
+            raise ValueError(f"{arch}: conv_kernel_size {cfg['conv_kernel_size']}; the bert "
+                             "family computes DeBERTa without the convolution layer")
+        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        if cfg.get("attention_head_size", hidden // heads) * heads != hidden:
+            raise ValueError(f"{arch}: attention_head_size {cfg['attention_head_size']} x "
+                             f"{heads} heads is not hidden_size {hidden}")
+        if cfg.get("pooler_hidden_size", hidden) != hidden:
+            raise ValueError(f"{arch}: pooler_hidden_size {cfg['pooler_hidden_size']} is not "
+                             f"hidden_size {hidden}")
+        kinds = cfg.get("pos_att_type") or []
+        if isinstance(kinds, str):  # older configs: "p2c|c2p"
+            kinds = [k.strip() for k in kinds.lower().split("|")]
+        max_positions = cfg.get("max_position_embeddings", 512)
+        max_relative = cfg.get("max_relative_positions", -1)
+        return cls(
+            **cls.shape_of(cfg, arch),
+            hidden_act=cfg.get("hidden_act", "gelu"),
+            pooler_act=cfg.get("pooler_hidden_act", "gelu"),
+            layer_norm_eps=cfg.get("layer_norm_eps", 1e-7),
+            max_position_embeddings=max_positions,
+            type_vocab_size=cfg.get("type_vocab_size", 0),
+            embedding_size=cfg.get("embedding_size") or hidden,
+            absolute_positions=cfg.get("position_biased_input", True),
+            relative_attention=cfg.get("relative_attention", False),
+            c2p="c2p" in kinds,
+            p2c="p2c" in kinds,
+            position_buckets=max(cfg.get("position_buckets", -1), 0),
+            max_relative_positions=max_relative if max_relative >= 1 else max_positions,
+            norm_rel_embeddings="layer_norm" in [
+                k.strip() for k in cfg.get("norm_rel_ebd", "none").lower().split("|")],
+            share_att_key=cfg.get("share_att_key", False),
         )

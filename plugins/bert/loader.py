@@ -1,5 +1,6 @@
-"""Loads a BERT, RoBERTa, XLM-RoBERTa or ModernBERT HF directory: an encoder (``...Model``,
-what embedding models are saved as) or a cross-encoder (``...ForSequenceClassification``)."""
+"""Loads a BERT, RoBERTa, XLM-RoBERTa, ModernBERT or DeBERTa-v2/v3 HF directory: an encoder
+(``...Model``, what embedding models are saved as) or a cross-encoder
+(``...ForSequenceClassification``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from pathlib import Path
 import torch
 
 from heron.core import LoadedModel, ModelConfig, ModelInfo, Tokenizer, load_safetensors
-from heron.plugins.bert.config import MODERNBERT, EncoderConfig, ModernBertConfig
+from heron.plugins.bert.config import (DEBERTA, MODERNBERT, DebertaConfig, EncoderConfig,
+                                       ModernBertConfig)
+from heron.plugins.bert.deberta import DebertaModel
 from heron.plugins.bert.model import EncoderModel
 from heron.plugins.bert.modernbert import ModernBertModel
 from heron.plugins.bert.runner import EncoderRunner
@@ -24,13 +27,18 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
     config = json.loads((source / "config.json").read_text())
     tensors = load_safetensors(source, torch.float32)
     tokenizer = Tokenizer.from_hf_dir(source)
-    if (config.get("architectures") or [""])[0] in MODERNBERT:
+    arch = (config.get("architectures") or [""])[0]
+    if arch in MODERNBERT:
         cfg = ModernBertConfig.from_hf(config)
         model = ModernBertModel(cfg, tensors, device, dtype)
         pooling, types = cfg.classifier_pooling, 0
     else:
-        cfg = EncoderConfig.from_hf(config)
-        model = EncoderModel(cfg, tensors, device, dtype)
+        if arch in DEBERTA:
+            cfg = DebertaConfig.from_hf(config)
+            model = DebertaModel(cfg, tensors, device, dtype)
+        else:
+            cfg = EncoderConfig.from_hf(config)
+            model = EncoderModel(cfg, tensors, device, dtype)
         # BERT's two segment types; RoBERTa's one reads as none (every token is 0)
         pooling, types = "cls", cfg.type_vocab_size if cfg.type_vocab_size > 1 else 0
     del tensors

@@ -25,7 +25,7 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 ACTIVATION_FNS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swish": F.silu,
-                  "gelu_new": _gelu_tanh, "gelu_pytorch_tanh": _gelu_tanh}
+                  "gelu_new": _gelu_tanh, "gelu_pytorch_tanh": _gelu_tanh, "tanh": torch.tanh}
 
 
 @dataclass
@@ -39,12 +39,41 @@ class Dense:
 
 @dataclass
 class Layer:
+    """A post-norm encoder layer (BERT's, and DeBERTa's around its own attention)."""
+
     qkv: Dense  # q, k, v rows fused
     attn_out: Dense
     attn_norm: tuple[torch.Tensor, torch.Tensor]
     up: Dense
     down: Dense
     ffn_norm: tuple[torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def load(cls, w: Weights, prefix: str, qkv: tuple[str, str, str]) -> Layer:
+        """Layer ``prefix`` (``encoder.layer.{i}.``), its projections ``qkv`` named."""
+        def dense(name: str) -> Dense:
+            return Dense(pack_weight(w.take(f"{name}.weight")), w.take(f"{name}.bias"))
+
+        def norm(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+            return w.take(f"{name}.LayerNorm.weight"), w.take(f"{name}.LayerNorm.bias")
+
+        names = [f"{prefix}attention.self.{x}" for x in qkv]
+        return cls(qkv=Dense(pack_weight(w.cat([f"{n}.weight" for n in names])),
+                             w.cat([f"{n}.bias" for n in names])),
+                   attn_out=dense(f"{prefix}attention.output.dense"),
+                   attn_norm=norm(f"{prefix}attention.output"),
+                   up=dense(f"{prefix}intermediate.dense"),
+                   down=dense(f"{prefix}output.dense"),
+                   ffn_norm=norm(f"{prefix}output"))
+
+    def __call__(self, x: torch.Tensor, attend, act, eps: float, num_heads: int
+                 ) -> torch.Tensor:
+        """``attend(q, k, v)``: ``[T, heads, head_dim]`` each in, ``[T, hidden]`` out."""
+        qkv = self.qkv(x).view(x.shape[0], 3, num_heads, -1)
+        o = self.attn_out(attend(qkv[:, 0], qkv[:, 1], qkv[:, 2]))
+        x = F.layer_norm(o + x, x.shape[-1:], *self.attn_norm, eps)
+        h = self.down(act(self.up(x)))
+        return F.layer_norm(h + x, x.shape[-1:], *self.ffn_norm, eps)
 
 
 def checkpoint_names(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -63,29 +92,13 @@ class EncoderModel:
                  dtype: torch.dtype) -> None:
         self.cfg = cfg
         w = Weights(checkpoint_names(tensors, cfg.prefix), device, dtype)
-
-        def dense(name: str) -> Dense:
-            return Dense(pack_weight(w.take(f"{name}.weight")), w.take(f"{name}.bias"))
-
-        def norm(name: str) -> tuple[torch.Tensor, torch.Tensor]:
-            return w.take(f"{name}.LayerNorm.weight"), w.take(f"{name}.LayerNorm.bias")
-
         self.tokens = w.take("embeddings.word_embeddings.weight")
         self.positions = w.take("embeddings.position_embeddings.weight")
         self.types = w.take("embeddings.token_type_embeddings.weight")
-        self.embed_norm = norm("embeddings")
-        self.layers = []
-        for i in range(cfg.num_layers):
-            p = f"encoder.layer.{i}."
-            qkv = [f"{p}attention.self.{x}" for x in ("query", "key", "value")]
-            self.layers.append(Layer(
-                qkv=Dense(pack_weight(w.cat([f"{n}.weight" for n in qkv])),
-                          w.cat([f"{n}.bias" for n in qkv])),
-                attn_out=dense(f"{p}attention.output.dense"),
-                attn_norm=norm(f"{p}attention.output"),
-                up=dense(f"{p}intermediate.dense"),
-                down=dense(f"{p}output.dense"),
-                ffn_norm=norm(f"{p}output")))
+        self.embed_norm = (w.take("embeddings.LayerNorm.weight"),
+                           w.take("embeddings.LayerNorm.bias"))
+        self.layers = [Layer.load(w, f"encoder.layer.{i}.", ("query", "key", "value"))
+                       for i in range(cfg.num_layers)]
         self.head = score_head(w, cfg.prefix) if cfg.is_classifier else None
         # a bare encoder's pooler (BERT's) and position-id buffers: what embedding does not read
         self.unused_tensors = [n for n in w.tensors
@@ -103,11 +116,7 @@ class EncoderModel:
         x = x + (self.types[0] if types is None else self.types[types])
         x = F.layer_norm(x, x.shape[-1:], *self.embed_norm, eps)
         for layer in self.layers:
-            qkv = layer.qkv(x).view(x.shape[0], 3, cfg.num_heads, cfg.head_dim)
-            o = layer.attn_out(attention(qkv[:, 0], qkv[:, 1], qkv[:, 2]))
-            x = F.layer_norm(o + x, x.shape[-1:], *layer.attn_norm, eps)
-            h = layer.down(act(layer.up(x)))
-            x = F.layer_norm(h + x, x.shape[-1:], *layer.ffn_norm, eps)
+            x = layer(x, attention, act, eps, cfg.num_heads)
         return x
 
 

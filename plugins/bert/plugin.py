@@ -1,5 +1,5 @@
-"""Registers the bert family (BERT, RoBERTa, XLM-RoBERTa and ModernBERT encoders: embedding
-models and cross-encoders)."""
+"""Registers the bert family (BERT, RoBERTa, XLM-RoBERTa, ModernBERT and DeBERTa-v2/v3
+encoders: embedding models and cross-encoders)."""
 
 from heron.core.family import FamilySpec
 from heron.core.hookspecs import hookimpl

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from heron.core import Batch, CacheSpec, CacheTensors, KVCacheSpec, ModelInfo, ModelRunner
+from heron.plugins.bert.deberta import DebertaModel
 from heron.plugins.bert.model import EncoderModel
 from heron.plugins.bert.modernbert import ModernBertModel
 
@@ -18,7 +19,7 @@ class EncoderRunner(ModelRunner):
     attends_whole_prompt = True
     supports_hidden_states = True
 
-    def __init__(self, model: EncoderModel | ModernBertModel, info: ModelInfo,
+    def __init__(self, model: EncoderModel | ModernBertModel | DebertaModel, info: ModelInfo,
                  default_pooling: str = "cls", num_token_types: int = 0) -> None:
         self.model, self.info = model, info
         self.classifier = model.head
