@@ -46,8 +46,8 @@ class Sequence:
         "seq_id", "request_id", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "block_table", "status", "params", "arrival", "family_state", "generator",
         "namespace", "num_cached_tokens", "host_block_table", "state_slot", "lora_slot",
-        "encoder_token_ids", "encoder_stages_done", "token_type_ids", "draft_token_ids", "grammar",
-        "thinking", "num_thinking_tokens",
+        "encoder_token_ids", "encoder_stages_done", "token_type_ids", "draft_token_ids",
+        "grammar", "thinking", "num_thinking_tokens",
     )
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int],

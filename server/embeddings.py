@@ -116,7 +116,8 @@ async def create_embedding(request: web.Request) -> web.Response:
     req = await decode_body(request, EmbeddingRequest)
     adapter = check_model(app, req.model)
     inputs = _inputs(app, req)
-    inputs = truncate_prompts(app, inputs, req, app[ASYNC_ENGINE].engine.limits.max_embedding_len)
+    limit = app[ASYNC_ENGINE].engine.limits.max_embedding_len
+    inputs = truncate_prompts(app, inputs, req, limit)
     width = app[ASYNC_ENGINE].engine.runner.info.hidden_size
     if req.dimensions is not None and req.dimensions != width:
         raise bad_request(f"`dimensions` is {req.dimensions}; this model's embeddings have "

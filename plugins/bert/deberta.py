@@ -125,18 +125,22 @@ class DebertaModel:
             return [None] * cfg.num_layers
         delta = relative_positions(longest, cfg.position_buckets,
                                    cfg.max_relative_positions).to(device)
-        last = 2 * cfg.span - 1
-        key_rows, query_rows = (delta + cfg.span).clamp(0, last), (cfg.span - delta).clamp(0, last)
+        # only the table's rows these distances reach: [first, last]; short inputs read few
+        span, reach = cfg.span, int(delta.abs().max())
+        first, last = max(span - reach, 0), min(span + reach, 2 * span - 1)
+        key_rows = (delta + span).clamp(0, 2 * span - 1) - first
+        query_rows = (span - delta).clamp(0, 2 * span - 1) - first
 
         def bias_of(keys: torch.Tensor | None, queries: torch.Tensor | None):
             def bias(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # [S, H, L, D] each
                 shape = (*q.shape[:2], longest, longest)
                 total = 0
                 if keys is not None:  # query i against key j's position: row delta[i, j]
-                    total = torch.gather(q @ keys.transpose(-1, -2), -1,
-                                         key_rows.expand(shape))
+                    rows = keys[:, first:last + 1].transpose(-1, -2)
+                    total = torch.gather(q @ rows, -1, key_rows.expand(shape))
                 if queries is not None:  # key j against query i's: row -delta[j, i]
-                    total = total + torch.gather(k @ queries.transpose(-1, -2), -1,
+                    rows = queries[:, first:last + 1].transpose(-1, -2)
+                    total = total + torch.gather(k @ rows, -1,
                                                  query_rows.expand(shape)).transpose(-1, -2)
                 return total * scale
             return bias
