@@ -385,6 +385,15 @@ def _convert_with_transformers(path: Path) -> tokenizers.Tokenizer:
     convert it once, locally, into a `tokenizers` backend."""
     from transformers import AutoTokenizer  # heavy, and rarely needed
 
+    if any(path.glob("*.model")):  # a sentencepiece model (DeBERTa-v3's spm.model, say)
+        try:
+            import google.protobuf  # noqa: F401
+            import sentencepiece  # noqa: F401
+        except ImportError:
+            # transformers would go on to guess other formats and fail confusingly
+            raise ValueError(f"{path} has no tokenizer.json, and reading its sentencepiece "
+                             "model needs the sentencepiece and protobuf packages: pip "
+                             "install sentencepiece protobuf") from None
     hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if not hasattr(hf, "backend_tokenizer"):
         raise ValueError(f"{path}: tokenizer cannot be converted to a `tokenizers` backend")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 
 import gguf
 import pytest
@@ -291,6 +292,17 @@ def test_pairs_encode_and_cut_as_transformers_does(tmp_path):
                 assert ours.truncate(ours.encode(second), keep, side) == cut_text
         with pytest.raises(ValueError, match=f"{specials} special tokens"):
             ours.encode_pair(first, second, specials - 1)
+
+
+def test_a_sentencepiece_model_without_its_readers_is_named(tmp_path, monkeypatch):
+    """A dir with a sentencepiece model and no tokenizer.json (DeBERTa-v3's ``spm.model``)
+    converts through transformers, which needs sentencepiece and protobuf to read it."""
+    (tmp_path / "spm.model").write_bytes(b"")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "DebertaV2Tokenizer"}))
+    monkeypatch.setitem(sys.modules, "google.protobuf", None)  # as if not installed
+    with pytest.raises(ValueError, match="pip install sentencepiece protobuf"):
+        Tokenizer.from_hf_dir(tmp_path)
 
 
 def test_hf_dir_template_in_config_and_missing_dir(tmp_path):
