@@ -33,6 +33,15 @@ class EncoderShape:
         return self.hidden_size // self.num_heads
 
     @staticmethod
+    def check_activations(cfg: dict, arch: str, *keys: str) -> None:
+        """A ValueError naming the first of ``keys`` (transformers' default: gelu) whose
+        activation the family does not compute."""
+        for key in keys:
+            if cfg.get(key, "gelu") not in ACTIVATIONS:
+                raise ValueError(f"{arch}: {key} {cfg[key]!r}; the bert family computes "
+                                 f"{', '.join(ACTIVATIONS)}")
+
+    @staticmethod
     def shape_of(cfg: dict, arch: str) -> dict:
         if cfg["hidden_size"] % cfg["num_attention_heads"]:
             raise ValueError(f"{arch}: hidden_size {cfg['hidden_size']} is not a multiple of "
@@ -71,17 +80,14 @@ class EncoderConfig(EncoderShape):
         if kind != "absolute":
             raise ValueError(f"{arch}: position_embedding_type {kind!r}; the bert family "
                              "computes absolute position embeddings only")
-        act = cfg.get("hidden_act", "gelu")
-        if act not in ACTIVATIONS:
-            raise ValueError(f"{arch}: hidden_act {act!r}; the bert family computes "
-                             f"{', '.join(ACTIVATIONS)}")
+        cls.check_activations(cfg, arch, "hidden_act")
         if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
             raise ValueError(f"{arch} is configured as a decoder; the bert family serves "
                              "encoders")
         return cls(
             **cls.shape_of(cfg, arch),
             prefix=ENCODERS.get(arch) or CLASSIFIERS[arch],
-            hidden_act=act,
+            hidden_act=cfg.get("hidden_act", "gelu"),
             layer_norm_eps=cfg.get("layer_norm_eps", 1e-12),
             max_position_embeddings=cfg.get("max_position_embeddings", 512),
             type_vocab_size=cfg.get("type_vocab_size", 2),
@@ -114,10 +120,7 @@ class ModernBertConfig(EncoderShape):
         arch = (cfg.get("architectures") or [""])[0]
         if arch not in MODERNBERT:
             raise ValueError(f"{arch!r} is not a ModernBERT architecture")
-        for key in ("hidden_activation", "classifier_activation"):
-            if cfg.get(key, "gelu") not in ACTIVATIONS:
-                raise ValueError(f"{arch}: {key} {cfg[key]!r}; the bert family computes "
-                                 f"{', '.join(ACTIVATIONS)}")
+        cls.check_activations(cfg, arch, "hidden_activation", "classifier_activation")
         num_layers = cfg["num_hidden_layers"]
         # transformers 5 saves `layer_types` and `rope_parameters`; the checkpoints on the hub
         # `global_attn_every_n_layers` and the two thetas
@@ -190,10 +193,7 @@ class DebertaConfig(EncoderShape):
         arch = (cfg.get("architectures") or [""])[0]
         if arch not in DEBERTA:
             raise ValueError(f"{arch!r} is not a DeBERTa-v2 architecture")
-        for key in ("hidden_act", "pooler_hidden_act"):
-            if cfg.get(key, "gelu") not in ACTIVATIONS:
-                raise ValueError(f"{arch}: {key} {cfg[key]!r}; the bert family computes "
-                                 f"{', '.join(ACTIVATIONS)}")
+        cls.check_activations(cfg, arch, "hidden_act", "pooler_hidden_act")
         if cfg.get("conv_kernel_size", 0) > 0:
             raise ValueError(f"{arch}: conv_kernel_size {cfg['conv_kernel_size']}; the bert "
                              "family computes DeBERTa without the convolution layer")
