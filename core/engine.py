@@ -917,10 +917,11 @@ class Engine:
     # -- offline use ---------------------------------------------------------------------
 
     def embed(self, prompts: list[str] | list[list[int]],
-              token_type_ids: list[list[int]] | None = None) -> list[torch.Tensor]:
+              token_type_ids: list[list[int] | None] | None = None) -> list[torch.Tensor]:
         """An embedding model's vectors of ``prompts`` (float32, on the CPU), in order; a
-        classifier's label probabilities. ``token_type_ids``: each prompt's token types,
-        for a model that reads them (a cross-encoder's pairs: `Tokenizer.encode_pair`)."""
+        classifier's label probabilities. ``token_type_ids``: each prompt's token types
+        (None: all 0), for a model that reads them (a cross-encoder's pairs:
+        `Tokenizer.encode_pair`)."""
         if self.pooler is None:
             raise ValueError(f"model {self.runner.info.name!r} generates text; it does not "
                              "embed (model.task)")

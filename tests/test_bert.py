@@ -188,6 +188,11 @@ def test_token_types_are_checked(tmp_path):
             engine.embed([ids], [bad])
     with pytest.raises(ValueError, match="1 token type lists for 2 prompts"):
         engine.embed([ids, ids], [types])
+    # typed and untyped inputs in one step: each row reads its own request's types
+    typed, untyped = engine.embed([ids], [types])[0], engine.embed([ids])[0]
+    both = engine.embed([ids, ids], [types, None])
+    torch.testing.assert_close(both, [typed, untyped], atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(typed, untyped, atol=1e-5)
     assert_no_leaks(engine)
 
 
