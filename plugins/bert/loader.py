@@ -33,12 +33,10 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
         model = ModernBertModel(cfg, tensors, device, dtype)
         pooling, types = cfg.classifier_pooling, 0
     else:
-        if arch in DEBERTA:
-            cfg = DebertaConfig.from_hf(config)
-            model = DebertaModel(cfg, tensors, device, dtype)
-        else:
-            cfg = EncoderConfig.from_hf(config)
-            model = EncoderModel(cfg, tensors, device, dtype)
+        config_cls, model_cls = ((DebertaConfig, DebertaModel) if arch in DEBERTA
+                                 else (EncoderConfig, EncoderModel))
+        cfg = config_cls.from_hf(config)
+        model = model_cls(cfg, tensors, device, dtype)
         # BERT's two segment types; RoBERTa's one reads as none (every token is 0)
         pooling, types = "cls", cfg.type_vocab_size if cfg.type_vocab_size > 1 else 0
     del tensors
