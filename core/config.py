@@ -81,6 +81,11 @@ class ModelConfig(_Section):
     # L2-normalize embeddings; unset: as the checkpoint's sentence-transformers modules
     # say (a Normalize module), else true
     normalize: bool | None = None
+    # the widths a request's `dimensions` may shorten an embedding to (its first values,
+    # normalized again), for a model trained to allow it (Matryoshka): a list, or true for
+    # any; unset: as the checkpoint's config.json says (vLLM's `matryoshka_dimensions` or
+    # `is_matryoshka`), else none
+    matryoshka_dimensions: list[int] | bool | None = None
     # a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q3_K-Q6_K / IQ4_NL / IQ4_XS projection
     # weights stay quantized on the CPU in float32 (`heron.core.ops.quantized`); "int8": and
     # batches of up to 16 rows (4 for Q5, K-quants and IQ4_XS) are quantized to 8 bits a value
@@ -94,6 +99,10 @@ class ModelConfig(_Section):
                  "must name at least one token"),
                 ("num_threads", self.num_threads is None or self.num_threads >= 1,
                  "must be >= 1"),
+                ("matryoshka_dimensions", not isinstance(self.matryoshka_dimensions, list)
+                 or (bool(self.matryoshka_dimensions)
+                     and min(self.matryoshka_dimensions) >= 1),
+                 "must be true, false or a non-empty list of widths >= 1"),
                 *((name, code is None or bool(LANGUAGE_CODE.fullmatch(code)),
                    "must be an NLLB language code like `eng_Latn`")
                   for name, code in (("src_lang", self.src_lang), ("tgt_lang", self.tgt_lang))))

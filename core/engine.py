@@ -917,23 +917,28 @@ class Engine:
     # -- offline use ---------------------------------------------------------------------
 
     def embed(self, prompts: list[str] | list[list[int]],
-              token_type_ids: list[list[int] | None] | None = None) -> list[torch.Tensor]:
+              token_type_ids: list[list[int] | None] | None = None,
+              dimensions: int | None = None) -> list[torch.Tensor]:
         """An embedding model's vectors of ``prompts`` (float32, on the CPU), in order; a
         classifier's label probabilities. ``token_type_ids``: each prompt's token types
         (None: all 0), for a model that reads them (a cross-encoder's pairs:
-        `Tokenizer.encode_pair`)."""
+        `Tokenizer.encode_pair`). ``dimensions``: shorten the vectors to their first values
+        (`Pooling.shorten`), for a model that allows it (ValueError otherwise)."""
         if self.pooler is None:
             raise ValueError(f"model {self.runner.info.name!r} generates text; it does not "
                              "embed (model.task)")
         if token_type_ids is not None and len(token_type_ids) != len(prompts):
             raise ValueError(f"{len(token_type_ids)} token type lists for {len(prompts)} "
                              "prompts")
+        pooling = self.pooler.pooling
+        if dimensions is not None:
+            pooling.check_dimensions(dimensions, self.runner.info.hidden_size)
         outputs = self._run_all(prompts, [None] * len(prompts),
                                 token_type_ids or [None] * len(prompts))
         failed = next((o.outputs[0] for o in outputs if o.embedding is None), None)
         if failed is not None:
             raise RuntimeError(f"embedding failed: {failed.error or failed.finish_reason}")
-        return [o.embedding for o in outputs]
+        return [pooling.shorten(o.embedding, dimensions) for o in outputs]
 
     def generate(self, prompts: list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

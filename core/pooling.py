@@ -36,6 +36,8 @@ class Pooling:
     # the longest input the checkpoint embeds (sentence-transformers' `max_seq_length`):
     # the engine's max_model_len unless [model] sets one
     max_len: int | None = None
+    # the widths a vector may be shortened to (Matryoshka): True any, False none
+    matryoshka: bool | tuple[int, ...] = False
 
     @property
     def classifies(self) -> bool:
@@ -46,6 +48,30 @@ class Pooling:
         """Whether every prompt token's row counts: then a prefix-cache hit, whose rows
         are not computed, cannot be used."""
         return self.method != "last"
+
+    def check_dimensions(self, dimensions: int, width: int) -> None:
+        """ValueError unless vectors of ``width`` may be shortened to ``dimensions`` (their
+        own width always passes)."""
+        if dimensions == width:
+            return
+        if dimensions > width:
+            raise ValueError(f"`dimensions` is {dimensions}; this model's embeddings have "
+                             f"{width}")
+        if self.classifies or self.matryoshka is False:
+            raise ValueError(f"`dimensions` is {dimensions}: this model's embeddings have "
+                             f"{width} and were not trained to be shortened (a Matryoshka "
+                             "model's are: model.matryoshka_dimensions)")
+        if self.matryoshka is not True and dimensions not in self.matryoshka:
+            raise ValueError(f"`dimensions` is {dimensions}; this model's embeddings may "
+                             f"be shortened to {', '.join(map(str, self.matryoshka))}")
+
+    def shorten(self, vector: torch.Tensor, dimensions: int | None) -> torch.Tensor:
+        """``vector``'s first ``dimensions`` values (all with None), normalized again when
+        this pooling normalizes (as vLLM and sentence-transformers' `truncate_dim` do)."""
+        if dimensions is None or dimensions == vector.shape[-1]:
+            return vector
+        vector = vector[..., :dimensions]
+        return F.normalize(vector, dim=-1) if self.normalize else vector
 
 
 @dataclass(frozen=True)
@@ -146,7 +172,16 @@ def resolve_pooling(model: ModelConfig, path: Path) -> Pooling | None:
     normalize = model.normalize
     if normalize is None:
         normalize = modules is None or any(m.get("type") == _ST_NORMALIZE for m in modules)
-    return Pooling(method, normalize, max_len=_st_max_len(path) if modules is not None else None)
+    return Pooling(method, normalize, max_len=_st_max_len(path) if modules is not None else None,
+                   matryoshka=_matryoshka(model, config))
+
+
+def _matryoshka(model: ModelConfig, config: dict) -> bool | tuple[int, ...]:
+    """The widths ``[model]`` or the checkpoint's config allow vectors to be shortened to."""
+    widths = model.matryoshka_dimensions
+    if widths is None:
+        widths = config.get("matryoshka_dimensions") or bool(config.get("is_matryoshka"))
+    return widths if isinstance(widths, bool) else tuple(sorted(set(widths)))
 
 
 def _st_modules(path: Path) -> list[dict] | None:

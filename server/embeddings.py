@@ -6,7 +6,9 @@ whose prompt the model pools (`heron.core.pooling`), and all of a call's inputs 
 same steps. An input longer than the model's context is a 400, cut only when
 ``truncate_prompt_tokens`` asks for its last tokens. Vectors come back
 as floats, or with ``encoding_format: "base64"`` (what the openai client asks for unless
-told otherwise) as the base64 of their little-endian float32 bytes.
+told otherwise) as the base64 of their little-endian float32 bytes. ``dimensions``
+shortens them to their first values (normalized again), for a model trained to allow it
+(`Pooling.check_dimensions`); their own width is always accepted.
 """
 
 from __future__ import annotations
@@ -115,17 +117,19 @@ async def create_embedding(request: web.Request) -> web.Response:
     require_task(app, "/v1/embeddings", "embed")
     req = await decode_body(request, EmbeddingRequest)
     adapter = check_model(app, req.model)
-    inputs = _inputs(app, req)
-    limit = app[ASYNC_ENGINE].engine.limits.max_embedding_len
-    inputs = truncate_prompts(app, inputs, req, limit)
-    width = app[ASYNC_ENGINE].engine.runner.info.hidden_size
-    if req.dimensions is not None and req.dimensions != width:
-        raise bad_request(f"`dimensions` is {req.dimensions}; this model's embeddings have "
-                          f"{width} and are not shortened", param="dimensions")
+    engine = app[ASYNC_ENGINE].engine
+    inputs = truncate_prompts(app, _inputs(app, req), req, engine.limits.max_embedding_len)
+    pooling = engine.pooler.pooling
+    if req.dimensions is not None:
+        try:
+            pooling.check_dimensions(req.dimensions, engine.runner.info.hidden_size)
+        except ValueError as e:
+            raise bad_request(str(e), param="dimensions") from None
     check_queue_room(app, inputs, "input")
     check_lengths(app, inputs, "input")
     pooled = await pool(request, "embd", inputs, req.priority, adapter)
-    data = [Embedding(index=p, embedding=_encoded(v, req.encoding_format))
+    data = [Embedding(index=p, embedding=_encoded(pooling.shorten(v, req.dimensions),
+                                                  req.encoding_format))
             for p, v in enumerate(pooled.vectors)]
     return json_response(EmbeddingResponse(id=pooled.id, created=pooled.created,
                                            model=pooled.model, data=data, usage=pooled.usage))

@@ -322,8 +322,8 @@ class EmbeddingRequest(_Body, kw_only=True):
     """/v1/embeddings (embedding models): ``input`` is a text, a list of texts, a list of
     token ids or a list of such lists (checked by the handler, as a completion's
     ``prompt``); or, as vLLM takes it, chat ``messages`` rendered by the chat template
-    (one input; exactly one of the two). ``dimensions`` must be the model's own: heron
-    does not shorten vectors."""
+    (one input; exactly one of the two). ``dimensions``: the model's own width, or one its
+    vectors may be shortened to (`Pooling.check_dimensions`)."""
 
     model: str | None = None
     input: str | list[Any] | None = None

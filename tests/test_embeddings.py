@@ -197,3 +197,47 @@ def test_a_hybrid_model_embeds_like_transformers(tmp_path):
     for ids, vector in zip(prompts, engine.embed(prompts)):
         torch.testing.assert_close(vector, oracle(tmp_path, ids, "last"), atol=1e-4, rtol=1e-4)
     assert_no_leaks(engine)
+
+
+def _add_to_config(path, **fields) -> None:
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **fields}))
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_a_matryoshka_model_s_vectors_shorten_to_their_first_values(qwen3_dir, normalize):
+    """sentence-transformers' ``truncate_dim`` and vLLM's ``dimensions``: the pooled
+    vector's first values, normalized again when the model normalizes."""
+    engine = make_engine(qwen3_dir, **{"model.task": "embed", "model.normalize": normalize,
+                                       "model.matryoshka_dimensions": [16, 32]})
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    for width in (16, 32, COMMON["hidden_size"]):
+        vectors = engine.embed(prompts, dimensions=width)
+        for ids, vector in zip(prompts, vectors):
+            full = oracle(qwen3_dir, ids, "last", normalize=False)
+            expected = F.normalize(full[:width], dim=-1) if normalize else full[:width]
+            assert vector.shape == (width,)
+            torch.testing.assert_close(vector, expected, atol=1e-5, rtol=1e-5)
+    for width, why in ((8, "may be shortened to 16, 32"),
+                       (COMMON["hidden_size"] + 1, "embeddings have 64")):
+        with pytest.raises(ValueError, match=why):
+            engine.embed(prompts, dimensions=width)
+    assert_no_leaks(engine)
+
+
+def test_matryoshka_widths_come_from_the_checkpoint_unless_configured(tmp_path):
+    build_tiny("qwen3", tmp_path, head_dim=32)
+    settings = {"model.task": "embed"}
+    with pytest.raises(ValueError, match="not trained to be shortened"):
+        make_engine(tmp_path, **settings).embed(["a"], dimensions=16)
+    _add_to_config(tmp_path, is_matryoshka=True)  # vLLM's fields: any width
+    assert make_engine(tmp_path, **settings).pooler.pooling.matryoshka is True
+    assert make_engine(tmp_path, **settings).embed(["a"], dimensions=7)[0].shape == (7,)
+    _add_to_config(tmp_path, matryoshka_dimensions=[32, 16])
+    assert make_engine(tmp_path, **settings).pooler.pooling.matryoshka == (16, 32)
+    off = make_engine(tmp_path, **settings, **{"model.matryoshka_dimensions": False})
+    with pytest.raises(ValueError, match="not trained to be shortened"):
+        off.embed(["a"], dimensions=16)
+    for bad in ([], [0, 16]):
+        with pytest.raises(ConfigError, match="matryoshka_dimensions"):
+            make_engine(tmp_path, **settings, **{"model.matryoshka_dimensions": bad})

@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 from heron.core.engine import Engine
@@ -60,6 +61,22 @@ def test_each_input_gets_its_vector_in_order(server, model_dir):
         for a, b in zip(reply.data, reply_b.data):
             np.testing.assert_allclose(a.embedding, b.embedding, atol=1e-6)
     np.testing.assert_allclose(one.data[0].embedding, reply.data[0].embedding, atol=1e-6)
+
+
+def test_dimensions_shorten_a_matryoshka_model_s_vectors(model_dir):
+    settings = {"model.task": "embed", "model.matryoshka_dimensions": [16, 32]}
+    with serve(model_dir, **settings) as server:
+        tokenizer = server.async_engine.engine.tokenizer
+        for encoding in ({}, {"encoding_format": "float"}):  # base64 on the wire, floats
+            reply = server.client().embeddings.create(model="tiny", input=PROMPTS[:2],
+                                                      dimensions=16, **encoding)
+            for item, prompt in zip(reply.data, PROMPTS):
+                full = oracle(model_dir, tokenizer.encode(prompt), "last", normalize=False)
+                torch.testing.assert_close(torch.tensor(item.embedding),
+                                           F.normalize(full[:16], dim=-1), atol=1e-5, rtol=1e-5)
+        status, reply = post(server, "/v1/embeddings", {"input": "a", "dimensions": 24})
+        assert status == 400 and reply["error"]["param"] == "dimensions"
+        assert "may be shortened to 16, 32" in reply["error"]["message"]
 
 
 def test_base64_is_the_little_endian_float32_bytes(server):
@@ -122,7 +139,9 @@ def test_truncate_prompt_tokens_embeds_each_input_s_last_tokens(server, model_di
     ({"input": [[5, 99999]]}, 400, "input", None),
     ({"input": [5] * 600}, 400, "input", "context_length_exceeded"),
     ({"input": ["a", [5] * 600]}, 400, "input[1]", "context_length_exceeded"),
-    ({"input": "a", "dimensions": 3}, 400, "dimensions", None),
+    ({"input": "a", "dimensions": 3}, 400, "dimensions", None),  # not a Matryoshka model
+    ({"input": "a", "dimensions": 0}, 400, "dimensions", None),
+    ({"input": "a", "dimensions": COMMON["hidden_size"] + 1}, 400, "dimensions", None),
     ({"input": "a", "dimensions": COMMON["hidden_size"]}, 200, None, None),
     ({"input": [[5]] * 257}, 400, "input", "limit_exceeded"),
     ({"input": "a", "model": "other"}, 404, "model", "model_not_found"),
