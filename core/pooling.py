@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from heron.core.config import ConfigError, ModelConfig
+from heron.core.gguf_header import read_gguf_value
 from heron.core.sampling_params import SamplingParams
 
 # sentence-transformers' Pooling config: the modes heron pools with (others are refused)
@@ -138,7 +139,9 @@ def resolve_pooling(model: ModelConfig, path: Path) -> Pooling | None:
     modules = _st_modules(path)
     config = _hf_config(path)
     arch = _architecture(config)
-    bare, classifier = _is_bare_model(arch), arch.endswith("ForSequenceClassification")
+    gguf_method = _gguf_pooling(path)
+    bare = _is_bare_model(arch) or gguf_method is not None
+    classifier = arch.endswith("ForSequenceClassification")
     from_tokens = model.classifier_from_tokens
     task = model.task
     if task == "auto":
@@ -169,6 +172,8 @@ def resolve_pooling(model: ModelConfig, path: Path) -> Pooling | None:
     method = model.pooling
     if method == "auto" and modules is not None:
         method = _st_pooling(path, modules)
+    if method == "auto" and gguf_method is not None:
+        method = gguf_method
     normalize = model.normalize
     if normalize is None:
         normalize = modules is None or any(m.get("type") == _ST_NORMALIZE for m in modules)
@@ -182,6 +187,32 @@ def _matryoshka(model: ModelConfig, config: dict) -> bool | tuple[int, ...]:
     if widths is None:
         widths = config.get("matryoshka_dimensions") or bool(config.get("is_matryoshka"))
     return widths if isinstance(widths, bool) else tuple(sorted(set(widths)))
+
+
+# llama.cpp's `{arch}.pooling_type`, which its converter writes for embedding models
+_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+
+
+def _gguf_pooling(path: Path) -> str | None:
+    """How the embedding model of a GGUF file pools (its ``pooling_type``; "auto" for an
+    encoder, ``attention.causal`` false, that names none); None for a generating model."""
+    if not (path.is_file() and path.suffix == ".gguf"):
+        return None
+
+    def value(key: str):
+        try:
+            return read_gguf_value(path, key)
+        except KeyError:
+            return None
+
+    arch = value("general.architecture")
+    kind = value(f"{arch}.pooling_type")
+    if kind == 4:
+        raise ConfigError(f"{path.name} is a reranker (pooling_type rank): heron serves "
+                          "GGUF embedding models, and rerankers from their HF checkpoints")
+    if kind in _GGUF_POOLING:
+        return _GGUF_POOLING[kind]
+    return "auto" if value(f"{arch}.attention.causal") is False else None
 
 
 def _st_modules(path: Path) -> list[dict] | None:

@@ -1,7 +1,7 @@
 """The tokenizer: a `tokenizers.Tokenizer` plus the facts about it the engine needs.
 
 Built either from a Hugging Face model directory (``tokenizer.json`` and friends) or from a
-GGUF file's metadata (byte-level BPE vocabularies, see `from_gguf`).
+GGUF file's metadata (byte-level BPE and BERT WordPiece vocabularies, see `from_gguf`).
 No `transformers` tokenizer runs on the serving path; transformers is only the oracle in
 tests (and the converter of last resort for a directory without ``tokenizer.json``).
 
@@ -210,20 +210,23 @@ class Tokenizer:
     def from_gguf(cls, reader: Any) -> Tokenizer:
         """The tokenizer a GGUF file's metadata describes (``reader``: a `gguf.GGUFReader`).
 
-        Only byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``: GPT-2, Llama 3,
-        Qwen, SmolLM...) are supported; others raise ValueError. Control tokens (type 3)
-        become special tokens, user-defined ones (type 4) plain added tokens.
+        Byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``: GPT-2, Llama 3,
+        Qwen, SmolLM...) and BERT's WordPiece ones (``"bert"``) are supported; others raise
+        ValueError. Control tokens (type 3) become special tokens, user-defined ones
+        (type 4) plain added tokens.
         """
         def field(key: str, default: Any = None) -> Any:
             f = reader.fields.get(key)
             return default if f is None else f.contents()
 
         kind = field("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer.ggml.model {kind!r} is not supported "
-                             "(only byte-level BPE, 'gpt2')")
         tokens = field("tokenizer.ggml.tokens")
         types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if kind == "bert":
+            return cls._from_gguf_wordpiece(tokens, types, field)
+        if kind != "gpt2":
+            raise ValueError(f"GGUF tokenizer.ggml.model {kind!r} is not supported "
+                             "(byte-level BPE, 'gpt2', and WordPiece, 'bert')")
         backend = _gguf_bpe(tokens, types, field("tokenizer.ggml.merges") or [],
                             field("tokenizer.ggml.pre", "default"))
         ids = {name: field(f"tokenizer.ggml.{key}_token_id") for name, key in
@@ -237,6 +240,49 @@ class Tokenizer:
         return cls(backend, special_tokens=special, eos_token_ids=eos_ids,
                    chat_template=field("tokenizer.chat_template"),
                    add_bos_token=add_bos and special["bos_token"] is not None)
+
+    @classmethod
+    def _from_gguf_wordpiece(cls, tokens: list[str], types: list[int], field) -> Tokenizer:
+        """A BERT WordPiece vocabulary as llama.cpp's converter stores it: a word's first
+        piece with a leading ``▁``, continuations bare (``##`` dropped), control tokens
+        as written. Tokenizes as BERT's own tokenizer does (its normalizer, lowercasing
+        and stripping accents when no ordinary token has a capital, as uncased
+        vocabularies have none), and puts ``[CLS]`` ... ``[SEP]`` around a text where the
+        file says so (``add_bos_token`` and ``add_eos_token``, or in older files
+        ``add_sep_token``; a pair's second text typed 1)."""
+        vocab: dict[str, int] = {}
+        for i, (tok, kind) in enumerate(zip(tokens, types, strict=True)):
+            piece = tok if kind == 3 else tok[1:] if tok.startswith("\u2581") else "##" + tok
+            vocab.setdefault(piece, i)
+        ordinary = (t for t, k in zip(tokens, types) if k != 3)
+        uncased = not any(c.isupper() for t in ordinary for c in t)
+
+        def token(key: str) -> str | None:
+            i = field(f"tokenizer.ggml.{key}_token_id")
+            return tokens[i] if i is not None and i < len(tokens) else None
+
+        unk = token("unknown")
+        backend = tokenizers.Tokenizer(tokenizers.models.WordPiece(
+            vocab, unk_token=unk or "[UNK]", max_input_chars_per_word=100))
+        backend.normalizer = tokenizers.normalizers.BertNormalizer(
+            clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=uncased)
+        backend.pre_tokenizer = tokenizers.pre_tokenizers.BertPreTokenizer()
+        backend.decoder = tokenizers.decoders.WordPiece()
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t, k in zip(tokens, types) if k == 3])
+        first = [token("bos")] if field("tokenizer.ggml.add_bos_token", True) else []
+        if (add_eos := field("tokenizer.ggml.add_eos_token")) is None:
+            # older files: llama.cpp's defaults for BERT, the separator last
+            last = [token("seperator")] if field("tokenizer.ggml.add_sep_token", True) else []
+        else:
+            last = [token("eos")] if add_eos else []
+        first, last = [t for t in first if t], [t for t in last if t]
+        if first or last:
+            backend.post_processor = processors.TemplateProcessing(
+                single=[*first, "$A", *last], pair=[*first, "$A", *last, "$B:1", *(
+                    f"{t}:1" for t in last)],
+                special_tokens=[(t, vocab[t]) for t in {*first, *last}])
+        return cls(backend, special_tokens={"unk_token": unk, "pad_token": token("padding")})
 
 
 def _longest_first(n1: int, n2: int, room: int) -> tuple[int, int]:

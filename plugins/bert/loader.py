@@ -1,6 +1,7 @@
 """Loads a BERT, RoBERTa, XLM-RoBERTa, ModernBERT or DeBERTa-v2/v3 HF directory: an encoder
 (``...Model``, what embedding models are saved as) or a cross-encoder
-(``...ForSequenceClassification``)."""
+(``...ForSequenceClassification``); or a BERT encoder from a llama.cpp GGUF file
+(`heron.plugins.bert.gguf`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from heron.core import LoadedModel, ModelConfig, ModelInfo, Tokenizer, load_safe
 from heron.plugins.bert.config import (DEBERTA, MODERNBERT, DebertaConfig, EncoderConfig,
                                        ModernBertConfig)
 from heron.plugins.bert.deberta import DebertaModel
+from heron.plugins.bert.gguf import load_bert_gguf
 from heron.plugins.bert.model import EncoderModel
 from heron.plugins.bert.modernbert import ModernBertModel
 from heron.plugins.bert.runner import EncoderRunner
@@ -24,9 +26,13 @@ log = logging.getLogger(__name__)
 def load(path: str, model_config: ModelConfig, device: torch.device,
          dtype: torch.dtype) -> LoadedModel:
     source = Path(path)
-    config = json.loads((source / "config.json").read_text())
-    tensors = load_safetensors(source, torch.float32)
-    tokenizer = Tokenizer.from_hf_dir(source)
+    from_gguf = source.suffix == ".gguf"
+    if from_gguf:
+        config, tensors, tokenizer = load_bert_gguf(source)
+    else:
+        config = json.loads((source / "config.json").read_text())
+        tensors = load_safetensors(source, torch.float32)
+        tokenizer = Tokenizer.from_hf_dir(source)
     arch = (config.get("architectures") or [""])[0]
     if arch in MODERNBERT:
         cfg = ModernBertConfig.from_hf(config)
@@ -42,7 +48,7 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
     del tensors
     if model.unused_tensors:
         log.warning("checkpoint tensors not used: %s", model.unused_tensors[:8])
-    info = ModelInfo.of_checkpoint(source.name, cfg.vocab_size, cfg.max_context_len, (),
+    info = ModelInfo.of_checkpoint(source.stem if from_gguf else source.name, cfg.vocab_size, cfg.max_context_len, (),
                                    tokenizer, dtype, device)
     info.hidden_size = cfg.hidden_size
     return LoadedModel(EncoderRunner(model, info, pooling, types), tokenizer)

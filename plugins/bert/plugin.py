@@ -9,4 +9,4 @@ from heron.plugins.bert.config import ARCHITECTURES
 @hookimpl
 def heron_register_families(register):
     register(FamilySpec(name="bert", loader="heron.plugins.bert.loader:load",
-                        architectures=ARCHITECTURES))
+                        architectures=ARCHITECTURES, gguf_architectures=("bert",)))
