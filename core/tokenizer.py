@@ -246,16 +246,17 @@ class Tokenizer:
         """A BERT WordPiece vocabulary as llama.cpp's converter stores it: a word's first
         piece with a leading ``▁``, continuations bare (``##`` dropped), control tokens
         as written. Tokenizes as BERT's own tokenizer does (its normalizer, lowercasing
-        and stripping accents when no ordinary token has a capital, as uncased
-        vocabularies have none), and puts ``[CLS]`` ... ``[SEP]`` around a text where the
+        and stripping accents where ``normalizer.lowercase`` says so, or in older files
+        when no ordinary token has a capital, as uncased vocabularies have none), and puts ``[CLS]`` ... ``[SEP]`` around a text where the
         file says so (``add_bos_token`` and ``add_eos_token``, or in older files
         ``add_sep_token``; a pair's second text typed 1)."""
         vocab: dict[str, int] = {}
         for i, (tok, kind) in enumerate(zip(tokens, types, strict=True)):
             piece = tok if kind == 3 else tok[1:] if tok.startswith("\u2581") else "##" + tok
             vocab.setdefault(piece, i)
-        ordinary = (t for t, k in zip(tokens, types) if k != 3)
-        uncased = not any(c.isupper() for t in ordinary for c in t)
+        uncased = field("tokenizer.ggml.normalizer.lowercase")
+        if uncased is None:  # older files: an uncased vocabulary has no capitals
+            uncased = not any(c.isupper() for t, k in zip(tokens, types) if k == 1 for c in t)
 
         def token(key: str) -> str | None:
             i = field(f"tokenizer.ggml.{key}_token_id")

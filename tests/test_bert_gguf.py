@@ -33,8 +33,10 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "Caf\u00e9 NA\u00cfVE d
 
 
 def write_gguf(hf_dir, path, pooling: int | None = gguf.PoolingType.CLS,
-               qtype: Q = Q.F32) -> None:
-    """``hf_dir``'s BertModel as llama.cpp's converter writes it; 2-D weights in ``qtype``."""
+               qtype: Q = Q.F32, lowercase: bool | None = None) -> None:
+    """``hf_dir``'s BertModel as llama.cpp's converter writes it; 2-D weights in ``qtype``;
+    ``lowercase``: the ``normalizer.lowercase`` newer converters write (None: as older
+    ones, none)."""
     config = json.loads((hf_dir / "config.json").read_text())
     model = transformers.BertModel.from_pretrained(hf_dir).eval()
     writer = gguf.GGUFWriter(str(path), "bert")
@@ -50,14 +52,20 @@ def write_gguf(hf_dir, path, pooling: int | None = gguf.PoolingType.CLS,
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     by_id = {i: t for t, i in tokenizer.get_vocab().items()}
     control = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    tokens = [by_id[i] if i in control else by_id[i][2:] if by_id[i].startswith("##")
-              else "\u2581" + by_id[i] for i in range(len(by_id))]
+    # the embedding's rows past the vocabulary are padded with unused "[PAD{i}]" tokens
+    # (`get_vocab_base`), which get the word marker as ordinary tokens do
+    types = [gguf.TokenType.CONTROL if i in control else gguf.TokenType.NORMAL if i in by_id
+             else gguf.TokenType.UNUSED for i in range(config["vocab_size"])]
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(config["vocab_size"])]
+    tokens = [t if i in control else t[2:] if t.startswith("##") else "\u2581" + t
+              for i, t in enumerate(tokens)]
     writer.add_token_type_count(config["type_vocab_size"])
     writer.add_tokenizer_model("bert")
     writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if i in control else gguf.TokenType.NORMAL
-                            for i in range(len(tokens))])
+    writer.add_token_types(types)
     gguf.SpecialVocab(hf_dir, n_vocab=len(tokens)).add_to_gguf(writer)
+    if lowercase is not None:
+        writer.add_bool("tokenizer.ggml.normalizer.lowercase", lowercase)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, config["num_hidden_layers"])
     for name, tensor in model.state_dict().items():
         if name.startswith("pooler.") or name.endswith("_ids"):  # the converter drops these
@@ -95,8 +103,12 @@ def expected_vectors(model, hf_dir, texts, method="cls", dims=None) -> list[torc
     return out
 
 
-def test_the_wordpiece_vocabulary_tokenizes_as_transformers(bert):
+@pytest.mark.parametrize("lowercase", [None, True])
+def test_the_wordpiece_vocabulary_tokenizes_as_transformers(bert, lowercase, tmp_path):
     _, hf_dir, path = bert
+    if lowercase is not None:
+        path = tmp_path / "lowercase.gguf"
+        write_gguf(hf_dir, path, lowercase=lowercase)
     engine = make_engine(path)
     theirs = AutoTokenizer.from_pretrained(hf_dir)
     for text in TEXTS:
@@ -129,12 +141,13 @@ def test_a_cased_vocabulary_keeps_capitals_and_accents(tmp_path):
     transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]",
         unk_token="[UNK]", mask_token="[MASK]", do_lower_case=False).save_pretrained(tmp_path)
-    write_gguf(tmp_path, tmp_path / "cased.gguf")
-    engine = make_engine(tmp_path / "cased.gguf")
     theirs = AutoTokenizer.from_pretrained(tmp_path)
-    for text in TEXTS:
-        assert engine.tokenizer.encode(text) == theirs(text)["input_ids"], text
-    assert engine.tokenizer.encode("The") != engine.tokenizer.encode("the")
+    for lowercase in (None, False):
+        write_gguf(tmp_path, tmp_path / "cased.gguf", lowercase=lowercase)
+        engine = make_engine(tmp_path / "cased.gguf")
+        for text in TEXTS:
+            assert engine.tokenizer.encode(text) == theirs(text)["input_ids"], text
+        assert engine.tokenizer.encode("The") != engine.tokenizer.encode("the")
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0])
