@@ -250,3 +250,28 @@ def test_unknown_architecture_and_tensor(tmp_path):
            meta=meta)
     with pytest.raises(ValueError, match="ffn_gate_exps"):
         load_gguf(tmp_path / "b.gguf")
+
+
+def test_a_file_with_a_pooling_type_embeds_as_transformers_pools(tmp_path):
+    """An embedding model's file (llama.cpp writes ``pooling_type``: Qwen3-Embedding's,
+    last token) embeds under model.task "auto", pooled as the file says."""
+    import torch.nn.functional as F
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.engine_utils import assert_no_leaks, make_engine
+    path = tmp_path / "tiny-qwen3-embedding.gguf"
+    _write(path, "qwen3", _tiny_tensors("qwen3", np.random.default_rng(3), with_output=False),
+           meta={**tiny_meta("qwen3"), "qwen3.pooling_type": int(gguf.PoolingType.LAST)})
+    engine = make_engine(path)
+    assert engine.pooler.pooling.method == "last" and engine.pooler.pooling.normalize
+    config, _, _ = load_gguf(path)
+    hf_config, _, hf_state = transformers_gguf_state(path, config)
+    fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", **fields)).eval()
+    model.load_state_dict(hf_state, strict=False)
+    prompts = [[5, 9, 13, 2, 40], list(range(1, 30)), [7]]
+    for ids, vector in zip(prompts, engine.embed(prompts)):
+        with torch.no_grad():
+            hidden = model.model(torch.tensor([ids])).last_hidden_state[0, -1]
+        torch.testing.assert_close(vector, F.normalize(hidden, dim=-1), atol=1e-4, rtol=1e-4)
+    assert_no_leaks(engine)
