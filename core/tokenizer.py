@@ -1,7 +1,7 @@
 """The tokenizer: a `tokenizers.Tokenizer` plus the facts about it the engine needs.
 
 Built either from a Hugging Face model directory (``tokenizer.json`` and friends) or from a
-GGUF file's metadata (byte-level BPE and BERT WordPiece vocabularies, see `from_gguf`).
+GGUF file's metadata (byte-level BPE, WordPiece and Unigram vocabularies, see `from_gguf`).
 No `transformers` tokenizer runs on the serving path; transformers is only the oracle in
 tests (and the converter of last resort for a directory without ``tokenizer.json``).
 
@@ -211,8 +211,8 @@ class Tokenizer:
         """The tokenizer a GGUF file's metadata describes (``reader``: a `gguf.GGUFReader`).
 
         Byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``: GPT-2, Llama 3,
-        Qwen, SmolLM...) and BERT's WordPiece ones (``"bert"``) are supported; others raise
-        ValueError. Control tokens (type 3) become special tokens, user-defined ones
+        Qwen, SmolLM...), BERT's WordPiece ones (``"bert"``) and sentencepiece Unigram ones
+        (``"t5"``, XLM-RoBERTa's) are supported; others raise ValueError. Control tokens (type 3) become special tokens, user-defined ones
         (type 4) plain added tokens.
         """
         def field(key: str, default: Any = None) -> Any:
@@ -224,9 +224,11 @@ class Tokenizer:
         types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
         if kind == "bert":
             return cls._from_gguf_wordpiece(tokens, types, field)
+        if kind == "t5":
+            return cls._from_gguf_unigram(tokens, types, field)
         if kind != "gpt2":
             raise ValueError(f"GGUF tokenizer.ggml.model {kind!r} is not supported "
-                             "(byte-level BPE, 'gpt2', and WordPiece, 'bert')")
+                             "(byte-level BPE, 'gpt2'; WordPiece, 'bert'; Unigram, 't5')")
         backend = _gguf_bpe(tokens, types, field("tokenizer.ggml.merges") or [],
                             field("tokenizer.ggml.pre", "default"))
         ids = {name: field(f"tokenizer.ggml.{key}_token_id") for name, key in
@@ -247,9 +249,7 @@ class Tokenizer:
         piece with a leading ``▁``, continuations bare (``##`` dropped), control tokens
         as written. Tokenizes as BERT's own tokenizer does (its normalizer, lowercasing
         and stripping accents where ``normalizer.lowercase`` says so, or in older files
-        when no ordinary token has a capital, as uncased vocabularies have none), and puts ``[CLS]`` ... ``[SEP]`` around a text where the
-        file says so (``add_bos_token`` and ``add_eos_token``, or in older files
-        ``add_sep_token``; a pair's second text typed 1)."""
+        when no ordinary token has a capital, as uncased vocabularies have none)."""
         vocab: dict[str, int] = {}
         for i, (tok, kind) in enumerate(zip(tokens, types, strict=True)):
             piece = tok if kind == 3 else tok[1:] if tok.startswith("\u2581") else "##" + tok
@@ -257,33 +257,74 @@ class Tokenizer:
         uncased = field("tokenizer.ggml.normalizer.lowercase")
         if uncased is None:  # older files: an uncased vocabulary has no capitals
             uncased = not any(c.isupper() for t, k in zip(tokens, types) if k == 1 for c in t)
-
-        def token(key: str) -> str | None:
-            i = field(f"tokenizer.ggml.{key}_token_id")
-            return tokens[i] if i is not None and i < len(tokens) else None
-
-        unk = token("unknown")
+        unk = _gguf_token(tokens, field, "unknown")
         backend = tokenizers.Tokenizer(tokenizers.models.WordPiece(
             vocab, unk_token=unk or "[UNK]", max_input_chars_per_word=100))
         backend.normalizer = tokenizers.normalizers.BertNormalizer(
             clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=uncased)
         backend.pre_tokenizer = tokenizers.pre_tokenizers.BertPreTokenizer()
         backend.decoder = tokenizers.decoders.WordPiece()
+        return cls._gguf_encoder(backend, tokens, types, field)
+
+    @classmethod
+    def _from_gguf_unigram(cls, tokens: list[str], types: list[int], field) -> Tokenizer:
+        """A sentencepiece Unigram vocabulary (``tokenizer.ggml.model == "t5"``, as
+        llama.cpp's converter writes XLM-RoBERTa's) with its scores, tokenized as
+        transformers' XLM-RoBERTa tokenizer does: the file's precompiled normalization
+        map, whitespace runs removed (``remove_extra_whitespaces``), every word marked
+        with ``▁`` (``add_space_prefix``)."""
+        charsmap = field("tokenizer.ggml.precompiled_charsmap")
+        backend = tokenizers.Tokenizer(tokenizers.models.Unigram(
+            list(zip(tokens, field("tokenizer.ggml.scores"))),
+            unk_id=field("tokenizer.ggml.unknown_token_id"), byte_fallback=False))
+        if charsmap:
+            backend.normalizer = tokenizers.normalizers.Precompiled(
+                bytes(b & 0xFF for b in charsmap))
+        prepend = "always" if field("tokenizer.ggml.add_space_prefix", True) else "never"
+        words = tokenizers.pre_tokenizers.Metaspace(prepend_scheme=prepend)
+        backend.pre_tokenizer = (tokenizers.pre_tokenizers.Sequence(
+            [tokenizers.pre_tokenizers.WhitespaceSplit(), words])
+            if field("tokenizer.ggml.remove_extra_whitespaces", True) else words)
+        backend.decoder = tokenizers.decoders.Metaspace(prepend_scheme=prepend)
+        backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                            for t, k in zip(tokens, types) if k == 4])
+        return cls._gguf_encoder(backend, tokens, types, field)
+
+    @classmethod
+    def _gguf_encoder(cls, backend: tokenizers.Tokenizer, tokens: list[str], types: list[int],
+                      field) -> Tokenizer:
+        """An encoder's tokenizer from ``backend``: its control and unknown tokens special,
+        and ``[CLS]`` / ``<s>`` ... ``[SEP]`` / ``</s>`` around a text where the file says
+        so (``add_bos_token`` and ``add_eos_token``, or in older files ``add_sep_token``
+        for the last); a pair gets the separator again between its texts where
+        ``add_sep_token`` says so (RoBERTa's), and its second text is typed 1 where the
+        model has two token types."""
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t, k in zip(tokens, types) if k == 3])
-        first = [token("bos")] if field("tokenizer.ggml.add_bos_token", True) else []
+                                    for t, k in zip(tokens, types) if k in (2, 3)])
+
+        def named(*keys: str) -> list[str]:
+            return [t for key in keys if (t := _gguf_token(tokens, field, key))]
+
+        first = named("bos") if field("tokenizer.ggml.add_bos_token", True) else []
+        add_sep = field("tokenizer.ggml.add_sep_token", True)
         if (add_eos := field("tokenizer.ggml.add_eos_token")) is None:
-            # older files: llama.cpp's defaults for BERT, the separator last
-            last = [token("seperator")] if field("tokenizer.ggml.add_sep_token", True) else []
+            last, between = named("seperator") if add_sep else [], []  # older files
         else:
-            last = [token("eos")] if add_eos else []
-        first, last = [t for t in first if t], [t for t in last if t]
+            last, between = named("eos") if add_eos else [], named("seperator") if add_sep else []
         if first or last:
+            typed = ":1" if field("tokenizer.ggml.token_type_count", 1) > 1 else ""
             backend.post_processor = processors.TemplateProcessing(
-                single=[*first, "$A", *last], pair=[*first, "$A", *last, "$B:1", *(
-                    f"{t}:1" for t in last)],
-                special_tokens=[(t, vocab[t]) for t in {*first, *last}])
-        return cls(backend, special_tokens={"unk_token": unk, "pad_token": token("padding")})
+                single=[*first, "$A", *last],
+                pair=[*first, "$A", *last, *between, f"$B{typed}", *(t + typed for t in last)],
+                special_tokens=[(t, backend.token_to_id(t)) for t in {*first, *last, *between}])
+        return cls(backend, special_tokens={"unk_token": _gguf_token(tokens, field, "unknown"),
+                                            "pad_token": _gguf_token(tokens, field, "padding")})
+
+
+def _gguf_token(tokens: list[str], field, key: str) -> str | None:
+    """The token a GGUF file names by ``tokenizer.ggml.{key}_token_id``, if any."""
+    i = field(f"tokenizer.ggml.{key}_token_id")
+    return tokens[i] if i is not None and i < len(tokens) else None
 
 
 def _longest_first(n1: int, n2: int, room: int) -> tuple[int, int]:

@@ -2,13 +2,19 @@
 embeddings against transformers' `BertModel` on the checkpoint the file was written from.
 
 The files are written the way llama.cpp's converter (`convert_hf_to_gguf.py`, BertModel)
-writes them: its metadata keys, its vocabulary form (a word's first piece with a leading
-``▁``, continuations without ``##``, control tokens as they are), gguf-py's
-`SpecialVocab` for the special tokens and gguf-py's tensor name map for the names.
+writes them: its metadata keys, its vocabulary forms (BERT's WordPiece: a word's first
+piece with a leading ``▁``, continuations without ``##``, control tokens as they are;
+XLM-RoBERTa's sentencepiece Unigram: fairseq's order, scores, normalizer settings),
+gguf-py's `SpecialVocab` for the special tokens and gguf-py's tensor name map for the
+names. Run beside llama.cpp's own converter on the same checkpoints, these writers gave
+the same value for every key both wrote and bit-identical tensors (the converter adds
+``tokenizer.ggml.pre``, which heron does not read for these vocabularies, and newer ones
+``normalizer.lowercase``, which the tests write too).
 """
 
 from __future__ import annotations
 
+import io
 import json
 
 import gguf
@@ -24,7 +30,8 @@ from heron.core.config import ConfigError
 from heron.core.engine import Engine
 from tests.engine_utils import assert_no_leaks, make_engine
 from tests.server_utils import ServerThread, server_config
-from tests.tiny_models import CORPUS, ENCODER_COMMON, build_tiny_encoder
+from tests.tiny_models import (CORPUS, ENCODER_COMMON, ENCODERS, build_tiny_encoder,
+                               randomise_weights)
 
 Q = gguf.GGMLQuantizationType
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Caf\u00e9 NA\u00cfVE d\u00e9j\u00e0 vu!",
@@ -32,15 +39,12 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "Caf\u00e9 NA\u00cfVE d
          "zyzzyva qwxp unseenword", "  spaced\tout\n\nlines  "]
 
 
-def write_gguf(hf_dir, path, pooling: int | None = gguf.PoolingType.CLS,
-               qtype: Q = Q.F32, lowercase: bool | None = None) -> None:
-    """``hf_dir``'s BertModel as llama.cpp's converter writes it; 2-D weights in ``qtype``;
-    ``lowercase``: the ``normalizer.lowercase`` newer converters write (None: as older
-    ones, none)."""
+def _encoder_writer(hf_dir, path, pooling: int | None, position_offset: int = 0):
+    """A writer with the metadata llama.cpp's converter writes for an encoder, and the
+    checkpoint's config."""
     config = json.loads((hf_dir / "config.json").read_text())
-    model = transformers.BertModel.from_pretrained(hf_dir).eval()
     writer = gguf.GGUFWriter(str(path), "bert")
-    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_context_length(config["max_position_embeddings"] - position_offset)
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_block_count(config["num_hidden_layers"])
@@ -49,6 +53,39 @@ def write_gguf(hf_dir, path, pooling: int | None = gguf.PoolingType.CLS,
     writer.add_causal_attention(False)
     if pooling is not None:
         writer.add_pooling_type(pooling)
+    writer.add_token_type_count(config["type_vocab_size"])
+    return writer, config
+
+
+def _finish(writer, hf_dir, config, model, qtype: Q = Q.F32, position_offset: int = 0) -> None:
+    """gguf-py's special tokens, then ``model``'s tensors under gguf-py's names (the
+    pooler dropped and RoBERTa's position rows shifted to start at 0, as the converter
+    does); 2-D weights in ``qtype``."""
+    gguf.SpecialVocab(hf_dir, n_vocab=config["vocab_size"]).add_to_gguf(writer)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, config["num_hidden_layers"])
+    for name, tensor in model.state_dict().items():
+        if name.startswith("pooler.") or name.endswith("_ids"):  # the converter drops these
+            continue
+        array = tensor.numpy()
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gguf_name == "position_embd.weight":
+            array = array[position_offset:]
+        if array.ndim == 2 and qtype != Q.F32 and "embd" not in gguf_name:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_gguf(hf_dir, path, pooling: int | None = gguf.PoolingType.CLS,
+               qtype: Q = Q.F32, lowercase: bool | None = None) -> None:
+    """``hf_dir``'s BertModel as llama.cpp's converter writes it; 2-D weights in ``qtype``;
+    ``lowercase``: the ``normalizer.lowercase`` newer converters write (None: as older
+    ones, none)."""
+    writer, config = _encoder_writer(hf_dir, path, pooling)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     by_id = {i: t for t, i in tokenizer.get_vocab().items()}
     control = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
@@ -59,27 +96,68 @@ def write_gguf(hf_dir, path, pooling: int | None = gguf.PoolingType.CLS,
     tokens = [by_id.get(i, f"[PAD{i}]") for i in range(config["vocab_size"])]
     tokens = [t if i in control else t[2:] if t.startswith("##") else "\u2581" + t
               for i, t in enumerate(tokens)]
-    writer.add_token_type_count(config["type_vocab_size"])
     writer.add_tokenizer_model("bert")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    gguf.SpecialVocab(hf_dir, n_vocab=len(tokens)).add_to_gguf(writer)
     if lowercase is not None:
         writer.add_bool("tokenizer.ggml.normalizer.lowercase", lowercase)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, config["num_hidden_layers"])
-    for name, tensor in model.state_dict().items():
-        if name.startswith("pooler.") or name.endswith("_ids"):  # the converter drops these
-            continue
-        array = tensor.numpy()
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if array.ndim == 2 and qtype != Q.F32 and "embd" not in gguf_name:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(gguf_name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer, hf_dir, config, transformers.BertModel.from_pretrained(hf_dir).eval(),
+            qtype)
+
+
+def write_xlm_roberta_gguf(hf_dir, path, pooling: int | None = gguf.PoolingType.MEAN) -> None:
+    """``hf_dir``'s XLMRobertaModel as llama.cpp's converter writes it from a
+    ``sentencepiece.bpe.model``: the pieces in fairseq's order (``<s> <pad> </s> <unk>``,
+    then sentencepiece's pieces from its id 3 on), their scores and types, and the model's
+    normalizer settings."""
+    from sentencepiece import SentencePieceProcessor
+    from sentencepiece import sentencepiece_model_pb2
+    config = json.loads((hf_dir / "config.json").read_text())
+    offset = config["pad_token_id"] + 1
+    writer, config = _encoder_writer(hf_dir, path, pooling, offset)
+    spm_file = hf_dir / "sentencepiece.bpe.model"
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(spm_file.read_bytes())
+    sp = SentencePieceProcessor(model_file=str(spm_file))
+    size = config["vocab_size"]
+    tokens, scores = [f"[PAD{i}]" for i in range(size)], [-10000.0] * size
+    types = [gguf.TokenType.UNUSED] * size
+    for i in range(sp.get_piece_size()):
+        tokens[i], scores[i] = sp.id_to_piece(i), sp.get_score(i)
+        types[i] = (gguf.TokenType.UNKNOWN if sp.is_unknown(i) else gguf.TokenType.CONTROL
+                    if sp.is_control(i) else gguf.TokenType.NORMAL)
+    control, unknown = gguf.TokenType.CONTROL, gguf.TokenType.UNKNOWN
+    writer.add_tokenizer_model("t5")
+    writer.add_token_list(["<s>", "<pad>", "</s>", "<unk>"] + tokens[3:-1])
+    writer.add_token_scores([0.0] * 4 + scores[3:-1])
+    writer.add_token_types([control, control, control, unknown] + types[3:-1])
+    writer.add_add_space_prefix(proto.normalizer_spec.add_dummy_prefix)
+    writer.add_remove_extra_whitespaces(proto.normalizer_spec.remove_extra_whitespaces)
+    writer.add_precompiled_charsmap(proto.normalizer_spec.precompiled_charsmap)
+    _finish(writer, hf_dir, config,
+            transformers.XLMRobertaModel.from_pretrained(hf_dir).eval(), position_offset=offset)
+
+
+def build_xlm_roberta(directory):
+    """A tiny XLM-RoBERTa with a sentencepiece Unigram vocabulary (nmt_nfkc normalization)
+    in fairseq's layout, converted by transformers as an XLM-RoBERTa checkpoint's is."""
+    import sentencepiece as spm
+
+    from tests.nllb_models import corpus
+    lines = corpus() + CORPUS * 5 + TEXTS * 5 + ["\uff46\uff55\uff4c\uff4c\uff57\uff49\uff44\uff54\uff48 "
+                                                  "\u2460 \ufb01ne \u216b"] * 5
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model,
+                                   vocab_size=200, model_type="unigram", minloglevel=2,
+                                   hard_vocab_limit=False)
+    (directory / "sentencepiece.bpe.model").write_bytes(model.getvalue())
+    transformers.XLMRobertaTokenizer.from_pretrained(directory).save_pretrained(directory)
+    torch.manual_seed(0)
+    model_cls, config_cls, extra = ENCODERS["xlm-roberta"]
+    encoder = model_cls(config_cls(**{**ENCODER_COMMON, **extra})).eval()
+    randomise_weights(encoder, 0.3)
+    encoder.save_pretrained(directory)
+    return encoder
 
 
 @pytest.fixture(scope="module")
@@ -218,3 +296,37 @@ def test_the_server_embeds_from_the_file(bert):
         tokens = AutoTokenizer.from_pretrained(hf_dir)(TEXTS)["input_ids"]
         assert reply.usage.prompt_tokens == sum(map(len, tokens))
 
+
+
+XLMR_TEXTS = TEXTS + ["\uff46\uff55\uff4c\uff4c\uff57\uff49\uff44\uff54\uff48  \u2460 \ufb01ne \u216b",
+                      "<s> literal </s> and <unk>"]
+
+
+def test_an_xlm_roberta_file_tokenizes_and_embeds_as_transformers(tmp_path):
+    """XLM-RoBERTa's Unigram vocabulary (``tokenizer.ggml.model`` "t5"): the file's
+    normalization map (NFKC here: full-width letters, ligatures, numerals), whitespace runs
+    and literal special tokens as transformers' tokenizer takes them; positions from 0."""
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    model = build_xlm_roberta(hf_dir)
+    write_xlm_roberta_gguf(hf_dir, tmp_path / "tiny-xlmr.gguf")
+    engine = make_engine(tmp_path / "tiny-xlmr.gguf")
+    assert engine.pooler.pooling.method == "mean" and engine.runner.num_token_types == 0
+    theirs = AutoTokenizer.from_pretrained(hf_dir)
+    for text in XLMR_TEXTS:
+        assert engine.tokenizer.encode(text) == theirs(text)["input_ids"], text
+        pair = theirs(text, TEXTS[0], return_token_type_ids=True)
+        assert engine.tokenizer.encode_pair(text, TEXTS[0]) == (pair["input_ids"],
+                                                                pair["token_type_ids"])
+    assert engine.tokenizer.decode(theirs(TEXTS[0])["input_ids"], skip_special_tokens=True
+                                   ) == TEXTS[0]
+    longest = [[5] * 128]  # the context: 130 positions less RoBERTa's first two
+    for ids, vector in zip([theirs(t)["input_ids"] for t in XLMR_TEXTS] + longest,
+                           engine.embed([*XLMR_TEXTS, *longest])):
+        with torch.no_grad():
+            hidden = model(torch.tensor([ids])).last_hidden_state[0]
+        torch.testing.assert_close(vector, F.normalize(hidden.mean(0), dim=-1),
+                                   atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="embeds at most 128"):
+        engine.embed([[5] * 129])
+    assert_no_leaks(engine)

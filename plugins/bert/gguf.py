@@ -1,9 +1,10 @@
 """Reads a BERT-style encoder from a llama.cpp GGUF file (architecture ``bert``, as its
-converter writes bge, e5, all-MiniLM, mxbai-embed and snowflake-arctic-embed): an HF-style
-config, the tensors under their transformers names (dequantized to float32) and the
-WordPiece tokenizer.
+converter writes bge, e5, all-MiniLM, mxbai-embed and snowflake-arctic-embed, and
+XLM-RoBERTa's bge-m3 and multilingual-e5): an HF-style config, the tensors under their
+transformers names (dequantized to float32) and the tokenizer (BERT's WordPiece or
+XLM-RoBERTa's Unigram vocabulary: `Tokenizer.from_gguf`).
 
-llama.cpp's converter writes RoBERTa-style checkpoints as ``bert`` too, with their position
+llama.cpp's converter writes XLM-RoBERTa checkpoints as ``bert`` too, with their position
 rows already shifted to start at 0, so every file reads as a `BertModel`. Its sequence
 classifiers (``pooling_type`` rank, ``cls.*`` tensors) are refused by name.
 """
@@ -51,8 +52,8 @@ def load_bert_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
                                               Tokenizer]:
     """(config, tensors, tokenizer) of the GGUF file at ``path``: ``config`` reads like a
     `BertModel`'s ``config.json``, ``tensors`` are float32 under a bare `BertModel`'s
-    names. ValueError for another architecture, a reranker or a vocabulary other than
-    WordPiece."""
+    names. ValueError for another architecture, a reranker or another kind of
+    vocabulary."""
     reader = read_gguf(path)
 
     def field(key: str, default: Any = None) -> Any:
@@ -61,9 +62,10 @@ def load_bert_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
 
     if (arch := field("general.architecture")) != "bert":
         raise ValueError(f"GGUF architecture {arch!r} is not a BERT encoder")
-    if (kind := field("tokenizer.ggml.model")) != "bert":
+    if (kind := field("tokenizer.ggml.model")) not in ("bert", "t5"):
         raise ValueError(f"{Path(path).name}: tokenizer.ggml.model {kind!r}; the bert family "
-                         "reads BERT WordPiece vocabularies ('bert') from GGUF files")
+                         "reads WordPiece ('bert', BERT's) and Unigram ('t5', XLM-RoBERTa's) "
+                         "vocabularies from GGUF files")
     tensors = {_hf_name(t.name): torch.from_numpy(dequantize_tensor(t)) for t in reader.tensors}
     words = tensors["embeddings.word_embeddings.weight"]
     types = tensors.get("embeddings.token_type_embeddings.weight")
