@@ -2,11 +2,15 @@
 ``heron kernels --check``.
 
 Uses low-level NVRTC (cupy's bindings plus the CUDA runtime headers) when importable, else
-``nvcc``; a syntax error comes back with its file and line.
+``nvcc``; a syntax error comes back with its file and line. A success is remembered (an
+empty file under ``$HERON_KERNEL_CACHE/cuda-check``, named by a hash of everything the
+compile read), so checking unchanged kernels again costs nothing.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import shutil
 import subprocess
@@ -17,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, NamedTuple
 
+from heron.core.cpu_kernels import cache_dir
 from heron.core.kernels import (KernelFile, compile_options, load_source,
                                 registered_kernel_files)
 from heron.core.plugins import PluginManager
@@ -70,20 +75,44 @@ def compile_cubin(text: str, filename: str, arch: str, options: tuple[str, ...],
     """Compile ``text`` for ``arch`` without a GPU; (ok, compiler log or error).
 
     On success also checks that every ``extern "C"`` name in ``names`` is in the binary,
-    so a registered kernel name that the source does not define is caught.
+    so a registered kernel name that the source does not define is caught, and remembers
+    the success (`_passed`): the same inputs to the same compiler pass again without
+    compiling (``heron kernels --check`` then the suite's compile test, say).
     """
+    names = tuple(names)
     nvrtc = _nvrtc()
+    compiler = "nvrtc" if nvrtc is not None else "nvcc" if shutil.which("nvcc") else None
+    if compiler is None:
+        return False, "no CUDA compiler: install cupy-cuda12x and nvidia-cuda-nvrtc-cu12, or put nvcc on PATH"
+    stamp = _passed(compiler, text, filename, arch, options, names)
+    if stamp.is_file():
+        return True, "unchanged since it last compiled"
     if nvrtc is not None:
         ok, log, cubin = _compile_nvrtc(nvrtc, text, filename, arch, options, names)
-    elif shutil.which("nvcc"):
-        ok, log, cubin = _compile_nvcc(text, filename, arch, options)
     else:
-        return False, "no CUDA compiler: install cupy-cuda12x and nvidia-cuda-nvrtc-cu12, or put nvcc on PATH"
+        ok, log, cubin = _compile_nvcc(text, filename, arch, options)
     if ok:
         missing = [n for n in names if "<" not in n and f"{n}\0".encode() not in cubin]
         if missing:
             return False, f"kernel(s) {missing} not defined in {filename}"
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.touch()
     return ok, log
+
+
+def _passed(compiler: str, *inputs) -> Path:
+    """The file whose presence says these inputs compiled: named by a hash of them, of the
+    compiler's version and of the CUDA headers' directories (a reinstall changes them)."""
+    headers = [f"{d}:{os.stat(d).st_mtime_ns}" for d in _cuda_include_dirs()]
+    key = repr((_compiler_version(compiler), headers, inputs)).encode()
+    return cache_dir() / "cuda-check" / hashlib.sha256(key).hexdigest()
+
+
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    if compiler == "nvrtc":
+        return f"nvrtc {_nvrtc().getVersion()}"
+    return subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout
 
 
 def _compile_nvrtc(nvrtc, text, filename, arch, options, names):

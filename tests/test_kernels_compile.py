@@ -94,6 +94,27 @@ def test_defines_reach_the_compiler(tmp_path):
 
 
 @needs_compiler
+def test_a_compile_that_passed_is_remembered_until_its_inputs_change(tmp_path, monkeypatch):
+    monkeypatch.setenv("HERON_KERNEL_CACHE", str(tmp_path))
+    compiles = []
+    for name in ("_compile_nvcc", "_compile_nvrtc"):
+        compile_ = getattr(kernel_check, name)
+        monkeypatch.setattr(kernel_check, name,
+                            lambda *a, compile_=compile_: compiles.append(a) or compile_(*a))
+    path = tmp_path / "k.cu"
+    path.write_text('extern "C" __global__ void k(float* x) { x[0] = 1.0f; }\n')
+
+    def check(names=("k",)) -> bool:
+        return check_kernels(("sm_90",), files=[KernelFile(path, list(names), [{}])])[0].ok
+
+    assert check() and check() and len(compiles) == 1  # the second is remembered
+    path.write_text('extern "C" __global__ void k(float* x) { x[0] = 2.0f; }\n')
+    assert check() and len(compiles) == 2
+    # another kernel name is other inputs; a failure is not remembered
+    assert not check(["absent"]) and not check(["absent"]) and len(compiles) == 4
+
+
+@needs_compiler
 def test_run_check_prints_one_line_per_file_and_arch(core_results, monkeypatch):
     monkeypatch.setattr(kernel_check, "check_kernels", lambda archs: core_results)  # compiled once
     out = io.StringIO()
