@@ -3,7 +3,7 @@
 
 Uses low-level NVRTC (cupy's bindings plus the CUDA runtime headers) when importable, else
 ``nvcc``; a syntax error comes back with its file and line. A success is remembered (an
-empty file under ``$HERON_KERNEL_CACHE/cuda-check``, named by a hash of everything the
+empty file in ``cuda-check`` under `heron.core.cpu_kernels.cache_dir`, named by a hash of all the
 compile read), so checking unchanged kernels again costs nothing.
 """
 
