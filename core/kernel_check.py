@@ -3,8 +3,8 @@
 
 Uses low-level NVRTC (cupy's bindings plus the CUDA runtime headers) when importable, else
 ``nvcc``; a syntax error comes back with its file and line. A success is remembered (an
-empty file in ``cuda-check`` under `heron.core.cpu_kernels.cache_dir`, named by a hash of all the
-compile read), so checking unchanged kernels again costs nothing.
+empty file in ``cuda-check`` under `heron.core.cpu_kernels.cache_dir`, named by a hash of
+everything the compile read), so checking unchanged kernels again costs nothing.
 """
 
 from __future__ import annotations
