@@ -1,7 +1,7 @@
-"""The bert family (BERT, RoBERTa, XLM-RoBERTa and ModernBERT encoders): embeddings and
-classifier probabilities against transformers' models of the same checkpoints, on
-transformers' tokenization (with its token types for a pair of texts, where the model takes
-them)."""
+"""The bert family (BERT, RoBERTa, XLM-RoBERTa, ModernBERT, DeBERTa and NomicBERT
+encoders): embeddings and classifier probabilities against transformers' models of the same
+checkpoints, on transformers' tokenization (with its token types for a pair of texts, where
+the model takes them)."""
 
 from __future__ import annotations
 
@@ -233,6 +233,75 @@ def test_unsupported_deberta_configs_are_named(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(ValueError, match=message):
             make_engine(tmp_path)
+
+
+# transformers' NomicBERT names -> nomic-embed's own (transformers' conversion mapping, read
+# the other way)
+_NOMIC_OWN = {"embeddings.LayerNorm": "emb_ln", "self_attn.o_proj": "attn.out_proj",
+              "mlp.up_proj": "mlp.fc11", "mlp.gate_proj": "mlp.fc12", "mlp.down_proj": "mlp.fc2",
+              "post_attention_layernorm": "norm1", "post_mlp_layernorm": "norm2"}
+
+
+def save_as_nomic_checkpoint(model, path, context: int) -> None:
+    """``model`` (a transformers NomicBertModel) as nomic-embed's checkpoints are saved: its
+    own tensor names (q, k and v fused in ``Wqkv``) and config keys, ``context`` trained
+    positions of 8192."""
+    state = dict(model.state_dict())
+    for i in range(model.config.num_hidden_layers):
+        state[f"layers.{i}.self_attn.Wqkv.weight"] = torch.cat(
+            [state.pop(f"layers.{i}.self_attn.{x}_proj.weight") for x in "qkv"])
+    own = {}
+    for name, tensor in state.items():
+        for new, old in _NOMIC_OWN.items():
+            name = name.replace(new, old)
+        own[name.replace("layers.", "encoder.layers.").replace("self_attn.Wqkv", "attn.Wqkv")
+            ] = tensor.contiguous()
+    safetensors.torch.save_file(own, path / "model.safetensors")
+    c = model.config
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["NomicBertModel"], "model_type": "nomic_bert",
+        "vocab_size": c.vocab_size, "n_embd": c.hidden_size, "n_layer": c.num_hidden_layers,
+        "n_head": c.num_attention_heads, "n_inner": c.intermediate_size,
+        "layer_norm_epsilon": c.layer_norm_eps, "activation_function": "swiglu",
+        "rotary_emb_base": c.rope_parameters["rope_theta"], "rotary_emb_fraction": 1.0,
+        "rotary_emb_interleaved": False, "rotary_emb_scale_base": None,
+        "rotary_scaling_factor": None, "n_positions": 8192, "max_trained_positions": context,
+        "qkv_proj_bias": False, "mlp_fc1_bias": False, "mlp_fc2_bias": False,
+        "prenorm": False, "causal": False, "use_rms_norm": False,
+        "type_vocab_size": c.type_vocab_size}))
+
+
+def test_a_nomic_embed_checkpoint_loads_with_its_own_names_and_config(tmp_path):
+    """nomic-embed-text's checkpoints keep their remote code's names and config keys; the
+    names are those transformers' conversion mapping renames (it loads them to the same
+    model), and the context is the trained positions."""
+    model = build_tiny_encoder("nomic-bert", tmp_path / "hf")
+    own = tmp_path / "own"
+    own.mkdir()
+    save_as_nomic_checkpoint(model, own, context=64)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (own / name).write_text((tmp_path / "hf" / name).read_text())
+    # transformers reads the names as its own model's (with its own config)
+    (tmp_path / "check").mkdir()
+    model.config.save_pretrained(tmp_path / "check")
+    (tmp_path / "check" / "model.safetensors").write_bytes((own / "model.safetensors").read_bytes())
+    reloaded = type(model).from_pretrained(tmp_path / "check").eval()
+    ids = torch.tensor([[2, 40, 41, 42, 43, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).last_hidden_state, model(ids).last_hidden_state)
+    engine = make_engine(own)
+    assert engine.max_model_len == 64
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for prompt, vector in zip(PROMPTS, engine.embed(PROMPTS)):
+        torch.testing.assert_close(vector, F.normalize(hidden_states(model, tokenizer, prompt)[0],
+                                                       dim=-1), atol=1e-5, rtol=1e-5)
+    config = json.loads((own / "config.json").read_text())
+    for key, value in [("moe_every_n_layers", 2), ("rotary_emb_fraction", 0.5),
+                       ("prenorm", True), ("qkv_proj_bias", True),
+                       ("activation_function", "quick_gelu")]:
+        (own / "config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(ValueError, match=key):
+            make_engine(own)
 
 
 def test_async_scheduling_embeds_the_same(classifier):

@@ -19,6 +19,7 @@ import json
 
 import gguf
 import pytest
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 import transformers
@@ -39,12 +40,12 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "Caf\u00e9 NA\u00cfVE d
          "zyzzyva qwxp unseenword", "  spaced\tout\n\nlines  "]
 
 
-def _encoder_writer(hf_dir, path, pooling: int | None, position_offset: int = 0):
-    """A writer with the metadata llama.cpp's converter writes for an encoder, and the
-    checkpoint's config."""
-    config = json.loads((hf_dir / "config.json").read_text())
-    writer = gguf.GGUFWriter(str(path), "bert")
-    writer.add_context_length(config["max_position_embeddings"] - position_offset)
+def _encoder_writer(path, config: dict, pooling: int | None, context: int,
+                    arch: str = "bert"):
+    """A writer with the metadata llama.cpp's converter writes for an encoder of
+    ``config`` (transformers' keys)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(context)
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_block_count(config["num_hidden_layers"])
@@ -54,16 +55,17 @@ def _encoder_writer(hf_dir, path, pooling: int | None, position_offset: int = 0)
     if pooling is not None:
         writer.add_pooling_type(pooling)
     writer.add_token_type_count(config["type_vocab_size"])
-    return writer, config
+    return writer
 
 
-def _finish(writer, hf_dir, config, model, qtype: Q = Q.F32, position_offset: int = 0) -> None:
-    """gguf-py's special tokens, then ``model``'s tensors under gguf-py's names (the
-    pooler dropped and RoBERTa's position rows shifted to start at 0, as the converter
-    does); 2-D weights in ``qtype``."""
+def _finish(writer, hf_dir, config: dict, state: dict[str, torch.Tensor],
+            arch=gguf.MODEL_ARCH.BERT, qtype: Q = Q.F32, position_offset: int = 0) -> None:
+    """gguf-py's special tokens, then the tensors of ``state`` under gguf-py's names for
+    them (the pooler dropped and RoBERTa's position rows shifted to start at 0, as the
+    converter does); 2-D weights in ``qtype``."""
     gguf.SpecialVocab(hf_dir, n_vocab=config["vocab_size"]).add_to_gguf(writer)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, config["num_hidden_layers"])
-    for name, tensor in model.state_dict().items():
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    for name, tensor in state.items():
         if name.startswith("pooler.") or name.endswith("_ids"):  # the converter drops these
             continue
         array = tensor.numpy()
@@ -80,20 +82,16 @@ def _finish(writer, hf_dir, config, model, qtype: Q = Q.F32, position_offset: in
     writer.close()
 
 
-def write_gguf(hf_dir, path, pooling: int | None = gguf.PoolingType.CLS,
-               qtype: Q = Q.F32, lowercase: bool | None = None) -> None:
-    """``hf_dir``'s BertModel as llama.cpp's converter writes it; 2-D weights in ``qtype``;
-    ``lowercase``: the ``normalizer.lowercase`` newer converters write (None: as older
-    ones, none)."""
-    writer, config = _encoder_writer(hf_dir, path, pooling)
+def _wordpiece_vocab(writer, hf_dir, vocab_size: int, lowercase: bool | None) -> None:
+    """BERT's vocabulary as the converter writes it (`write_gguf`)."""
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     by_id = {i: t for t, i in tokenizer.get_vocab().items()}
     control = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     # the embedding's rows past the vocabulary are padded with unused "[PAD{i}]" tokens
     # (`get_vocab_base`), which get the word marker as ordinary tokens do
     types = [gguf.TokenType.CONTROL if i in control else gguf.TokenType.NORMAL if i in by_id
-             else gguf.TokenType.UNUSED for i in range(config["vocab_size"])]
-    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(config["vocab_size"])]
+             else gguf.TokenType.UNUSED for i in range(vocab_size)]
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
     tokens = [t if i in control else t[2:] if t.startswith("##") else "\u2581" + t
               for i, t in enumerate(tokens)]
     writer.add_tokenizer_model("bert")
@@ -101,8 +99,35 @@ def write_gguf(hf_dir, path, pooling: int | None = gguf.PoolingType.CLS,
     writer.add_token_types(types)
     if lowercase is not None:
         writer.add_bool("tokenizer.ggml.normalizer.lowercase", lowercase)
-    _finish(writer, hf_dir, config, transformers.BertModel.from_pretrained(hf_dir).eval(),
-            qtype)
+
+
+def write_gguf(hf_dir, path, pooling: int | None = gguf.PoolingType.CLS,
+               qtype: Q = Q.F32, lowercase: bool | None = None) -> None:
+    """``hf_dir``'s BertModel as llama.cpp's converter writes it; 2-D weights in ``qtype``;
+    ``lowercase``: the ``normalizer.lowercase`` newer converters write (None: as older
+    ones, none)."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    writer = _encoder_writer(path, config, pooling, config["max_position_embeddings"])
+    _wordpiece_vocab(writer, hf_dir, config["vocab_size"], lowercase)
+    model = transformers.BertModel.from_pretrained(hf_dir).eval()
+    _finish(writer, hf_dir, config, model.state_dict(), qtype=qtype)
+
+
+def write_nomic_gguf(model, own_dir, path, pooling: int = gguf.PoolingType.MEAN) -> None:
+    """A NomicBertModel (``model``, saved with nomic-embed's own names in ``own_dir``:
+    `tests.test_bert.save_as_nomic_checkpoint`, which is what the converter reads) as
+    llama.cpp's converter writes it: architecture ``nomic-bert``, its rope base, BERT's
+    vocabulary."""
+    config = model.config.to_dict()
+    writer = _encoder_writer(path, config, pooling,
+                             json.loads((own_dir / "config.json").read_text())[
+                                 "max_trained_positions"], arch="nomic-bert")
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_key_length(model.config.head_dim)
+    writer.add_value_length(model.config.head_dim)
+    _wordpiece_vocab(writer, own_dir, config["vocab_size"], True)
+    _finish(writer, own_dir, config, safetensors.torch.load_file(own_dir / "model.safetensors"),
+            gguf.MODEL_ARCH.NOMIC_BERT)
 
 
 def write_xlm_roberta_gguf(hf_dir, path, pooling: int | None = gguf.PoolingType.MEAN) -> None:
@@ -114,7 +139,7 @@ def write_xlm_roberta_gguf(hf_dir, path, pooling: int | None = gguf.PoolingType.
     from sentencepiece import sentencepiece_model_pb2
     config = json.loads((hf_dir / "config.json").read_text())
     offset = config["pad_token_id"] + 1
-    writer, config = _encoder_writer(hf_dir, path, pooling, offset)
+    writer = _encoder_writer(path, config, pooling, config["max_position_embeddings"] - offset)
     spm_file = hf_dir / "sentencepiece.bpe.model"
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(spm_file.read_bytes())
@@ -134,8 +159,8 @@ def write_xlm_roberta_gguf(hf_dir, path, pooling: int | None = gguf.PoolingType.
     writer.add_add_space_prefix(proto.normalizer_spec.add_dummy_prefix)
     writer.add_remove_extra_whitespaces(proto.normalizer_spec.remove_extra_whitespaces)
     writer.add_precompiled_charsmap(proto.normalizer_spec.precompiled_charsmap)
-    _finish(writer, hf_dir, config,
-            transformers.XLMRobertaModel.from_pretrained(hf_dir).eval(), position_offset=offset)
+    model = transformers.XLMRobertaModel.from_pretrained(hf_dir).eval()
+    _finish(writer, hf_dir, config, model.state_dict(), position_offset=offset)
 
 
 def build_xlm_roberta(directory):
@@ -329,4 +354,29 @@ def test_an_xlm_roberta_file_tokenizes_and_embeds_as_transformers(tmp_path):
                                    atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="embeds at most 128"):
         engine.embed([[5] * 129])
+    assert_no_leaks(engine)
+
+
+def test_a_nomic_bert_file_embeds_as_transformers(tmp_path):
+    """nomic-embed-text's files (architecture ``nomic-bert``): q, k and v fused, the SwiGLU
+    FFN's gate and up projections, rotary positions at the file's base, its context."""
+    from tests.test_bert import save_as_nomic_checkpoint
+    model = build_tiny_encoder("nomic-bert", tmp_path / "hf")
+    own = tmp_path / "own"
+    own.mkdir()
+    save_as_nomic_checkpoint(model, own, context=64)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (own / name).write_text((tmp_path / "hf" / name).read_text())
+    write_nomic_gguf(model, own, tmp_path / "tiny-nomic.gguf")
+    engine = make_engine(tmp_path / "tiny-nomic.gguf")
+    assert engine.pooler.pooling.method == "mean" and engine.max_model_len == 64
+    assert engine.runner.num_token_types == 2
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for text, vector in zip(TEXTS, engine.embed(TEXTS)):
+        ids = theirs(text)["input_ids"]
+        assert engine.tokenizer.encode(text) == ids
+        with torch.no_grad():
+            hidden = model(torch.tensor([ids])).last_hidden_state[0]
+        torch.testing.assert_close(vector, F.normalize(hidden.mean(0), dim=-1),
+                                   atol=1e-5, rtol=1e-5)
     assert_no_leaks(engine)

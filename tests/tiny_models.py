@@ -88,6 +88,8 @@ ENCODERS = {
                     "position_biased_input": False, "position_buckets": 8,
                     "max_relative_positions": 128, "norm_rel_ebd": "layer_norm",
                     "share_att_key": True, "type_vocab_size": 0}),
+    # NomicBERT as transformers saves it (nomic-embed's own names: tests/test_bert.py)
+    "nomic-bert": (transformers.NomicBertModel, transformers.NomicBertConfig, {}),
     # DeBERTa-v2's older form: absolute positions and token types too, position keys and
     # queries of their own, a narrower embedding projected up, unbucketed distances
     "deberta-v2-cls": (transformers.DebertaV2ForSequenceClassification,

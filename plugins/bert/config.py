@@ -1,5 +1,5 @@
-"""The encoder facts heron needs (BERT, RoBERTa, XLM-RoBERTa; ModernBERT; DeBERTa-v2/v3),
-read from an HF ``config.json`` dict."""
+"""The encoder facts heron needs (BERT, RoBERTa, XLM-RoBERTa; ModernBERT; DeBERTa-v2/v3;
+NomicBERT), read from an HF ``config.json`` dict."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ CLASSIFIERS = {a.removesuffix("Model") + "ForSequenceClassification": p
                for a, p in ENCODERS.items()}
 MODERNBERT = ("ModernBertModel", "ModernBertForSequenceClassification")
 DEBERTA = ("DebertaV2Model", "DebertaV2ForSequenceClassification")
-ARCHITECTURES = (*ENCODERS, *CLASSIFIERS, *MODERNBERT, *DEBERTA)
+NOMIC = ("NomicBertModel",)
+ARCHITECTURES = (*ENCODERS, *CLASSIFIERS, *MODERNBERT, *DEBERTA, *NOMIC)
 # transformers' ACT2FN names heron computes (`heron.plugins.bert.model.ACTIVATION_FNS`)
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish", "tanh")
 
@@ -226,4 +227,73 @@ class DebertaConfig(EncoderShape):
             norm_rel_embeddings="layer_norm" in [
                 k.strip() for k in cfg.get("norm_rel_ebd", "none").lower().split("|")],
             share_att_key=cfg.get("share_att_key", False),
+        )
+
+
+# nomic-embed's own config.json (its remote code's, GPT-2 style) -> transformers' names
+_NOMIC_KEYS = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers",
+               "n_head": "num_attention_heads", "n_inner": "intermediate_size",
+               "layer_norm_epsilon": "layer_norm_eps"}
+
+
+@dataclass(frozen=True)
+class NomicBertConfig(EncoderShape):
+    """NomicBERT (nomic-embed-text v1 and v1.5): BERT's post-norm layers and token types,
+    rotary positions (rotate-half) in place of position embeddings, a SwiGLU FFN, and no
+    biases. Read from transformers' config or from the checkpoints' own (``n_embd``,
+    ``rotary_emb_base``, ...), whose context is ``max_trained_positions`` (the positions
+    they were trained on, as vLLM and llama.cpp serve them)."""
+
+    hidden_act: str
+    layer_norm_eps: float
+    max_position_embeddings: int
+    type_vocab_size: int
+    rope_theta: float
+
+    @property
+    def max_context_len(self) -> int:
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> NomicBertConfig:
+        arch = (cfg.get("architectures") or [""])[0]
+        if arch not in NOMIC:
+            raise ValueError(f"{arch!r} is not a NomicBERT architecture")
+        own = "n_embd" in cfg
+        # transformers' NomicBertConfig defaults (nomic-embed-text-v1.5's shape)
+        cfg = {"vocab_size": 30528, "hidden_size": 768, "num_hidden_layers": 12,
+               "num_attention_heads": 12, "intermediate_size": 3072, **cfg,
+               **{new: cfg[old] for old, new in _NOMIC_KEYS.items() if old in cfg}}
+        refused = [(key, cfg[key]) for key, ok in (
+            ("moe_every_n_layers", lambda v: not v), ("prenorm", lambda v: not v),
+            ("rotary_emb_fraction", lambda v: v == 1), ("rotary_emb_interleaved", lambda v: not v),
+            ("rotary_emb_scale_base", lambda v: v is None), ("use_rms_norm", lambda v: not v),
+            ("qkv_proj_bias", lambda v: not v), ("mlp_fc1_bias", lambda v: not v),
+            ("mlp_fc2_bias", lambda v: not v)) if key in cfg and not ok(cfg[key])]
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if rope.get("rope_type", "default") != "default" or rope.get(
+                "partial_rotary_factor", 1) != 1:
+            refused.append(("rope_parameters", rope))
+        if cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]) * cfg[
+                "num_attention_heads"] != cfg["hidden_size"]:
+            refused.append(("head_dim", cfg["head_dim"]))
+        act = {"swiglu": "silu"}.get(cfg.get("activation_function"),
+                                     cfg.get("activation_function") or cfg.get("hidden_act",
+                                                                               "silu"))
+        if act not in ACTIVATIONS:
+            refused.append(("activation_function" if own else "hidden_act", act))
+        if refused:
+            key, value = refused[0]
+            raise ValueError(f"{arch}: {key} {value!r}; the bert family computes NomicBERT "
+                             "with full rotary embeddings, post-norm layers, a gated FFN and "
+                             "no biases (nomic-embed-text v1 and v1.5, not v2's experts)")
+        return cls(
+            **cls.shape_of(cfg, arch),
+            hidden_act=act,
+            layer_norm_eps=cfg.get("layer_norm_eps", 1e-12),
+            max_position_embeddings=(cfg.get("max_trained_positions", 2048) if own
+                                     else cfg.get("max_position_embeddings", 2048)),
+            type_vocab_size=cfg.get("type_vocab_size", 2),
+            rope_theta=float(rope.get("rope_theta") or cfg.get("rotary_emb_base")
+                             or cfg.get("rope_theta") or 1000.0),
         )

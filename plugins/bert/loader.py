@@ -1,6 +1,6 @@
-"""Loads a BERT, RoBERTa, XLM-RoBERTa, ModernBERT or DeBERTa-v2/v3 HF directory: an encoder
-(``...Model``, what embedding models are saved as) or a cross-encoder
-(``...ForSequenceClassification``); or a BERT encoder from a llama.cpp GGUF file
+"""Loads a BERT, RoBERTa, XLM-RoBERTa, ModernBERT, DeBERTa-v2/v3 or NomicBERT HF directory:
+an encoder (``...Model``, what embedding models are saved as) or a cross-encoder
+(``...ForSequenceClassification``); or an encoder from a llama.cpp GGUF file
 (`heron.plugins.bert.gguf`)."""
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from pathlib import Path
 import torch
 
 from heron.core import LoadedModel, ModelConfig, ModelInfo, Tokenizer, load_safetensors
-from heron.plugins.bert.config import (DEBERTA, MODERNBERT, DebertaConfig, EncoderConfig,
-                                       ModernBertConfig)
+from heron.plugins.bert.config import (DEBERTA, MODERNBERT, NOMIC, DebertaConfig,
+                                       EncoderConfig, ModernBertConfig, NomicBertConfig)
 from heron.plugins.bert.deberta import DebertaModel
 from heron.plugins.bert.gguf import load_bert_gguf
 from heron.plugins.bert.model import EncoderModel
 from heron.plugins.bert.modernbert import ModernBertModel
+from heron.plugins.bert.nomic import NomicBertModel
 from heron.plugins.bert.runner import EncoderRunner
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
         pooling, types = cfg.classifier_pooling, 0
     else:
         config_cls, model_cls = ((DebertaConfig, DebertaModel) if arch in DEBERTA
+                                 else (NomicBertConfig, NomicBertModel) if arch in NOMIC
                                  else (EncoderConfig, EncoderModel))
         cfg = config_cls.from_hf(config)
         model = model_cls(cfg, tensors, device, dtype)
@@ -48,7 +50,7 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
     del tensors
     if model.unused_tensors:
         log.warning("checkpoint tensors not used: %s", model.unused_tensors[:8])
-    info = ModelInfo.of_checkpoint(source.stem if from_gguf else source.name, cfg.vocab_size, cfg.max_context_len, (),
-                                   tokenizer, dtype, device)
+    info = ModelInfo.of_checkpoint(source.stem if from_gguf else source.name, cfg.vocab_size,
+                                   cfg.max_context_len, (), tokenizer, dtype, device)
     info.hidden_size = cfg.hidden_size
     return LoadedModel(EncoderRunner(model, info, pooling, types), tokenizer)

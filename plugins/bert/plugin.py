@@ -1,5 +1,6 @@
-"""Registers the bert family (BERT, RoBERTa, XLM-RoBERTa, ModernBERT and DeBERTa-v2/v3
-encoders: embedding models and cross-encoders)."""
+"""Registers the bert family (BERT, RoBERTa, XLM-RoBERTa, ModernBERT, DeBERTa-v2/v3 and
+NomicBERT encoders: embedding models and cross-encoders; BERT, XLM-RoBERTa and NomicBERT
+also from llama.cpp GGUF files)."""
 
 from heron.core.family import FamilySpec
 from heron.core.hookspecs import hookimpl
@@ -9,4 +10,4 @@ from heron.plugins.bert.config import ARCHITECTURES
 @hookimpl
 def heron_register_families(register):
     register(FamilySpec(name="bert", loader="heron.plugins.bert.loader:load",
-                        architectures=ARCHITECTURES, gguf_architectures=("bert",)))
+                        architectures=ARCHITECTURES, gguf_architectures=("bert", "nomic-bert")))

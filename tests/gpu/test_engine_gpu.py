@@ -207,7 +207,8 @@ def test_nllb_translations_on_cuda_match_cpu(tmp_path):
     assert nllb_outputs(tmp_path, tok, "cuda") == cpu
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta-cls", "modernbert", "deberta-v2-cls"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta-cls", "modernbert", "deberta-v2-cls",
+                                  "nomic-bert"])
 def test_encoder_embeddings_on_cuda_match_cpu(kind, tmp_path):
     """The bert family (whole inputs packed into one bidirectional SDPA call) on CUDA, async
     scheduling on by default there, against CPU: an embedding model's vectors, a

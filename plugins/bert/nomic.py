@@ -1,0 +1,104 @@
+"""NomicBERT encoder math (nomic-embed-text v1 and v1.5): plain tensors and functional ops.
+
+Checkpoint facts (transformers' ``modeling_nomic_bert.py``, and its renaming of the
+checkpoints' own tensor names): token and token-type embeddings then a LayerNorm, no
+position embeddings; post-norm layers (LayerNorm after each residual add) whose q and k
+turn by rotary positions (rotate-half, one theta) before attention; a SwiGLU FFN
+(``down(act(gate(x)) * up(x))``); no biases in the projections.
+
+The checkpoints on the hub name their tensors as nomic's own code does (``emb_ln``,
+``encoder.layers.{i}.attn.Wqkv``, ``mlp.fc11`` the up projection, ``mlp.fc12`` the gate,
+``norm1``, ``norm2``); transformers saves them as its model's (``layers.{i}.self_attn.q_proj``,
+...). Both load.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from heron.core.ops import pack_weight, packed_attention, rope_cos_sin_cache, rotary
+from heron.plugins.bert.config import NomicBertConfig
+from heron.plugins.bert.model import ACTIVATION_FNS, Dense
+from heron.plugins.transformer.model import Weights
+
+# the checkpoints' own names -> transformers' (q, k and v stay fused as `attn.qkv`)
+_OWN_NAMES = [(r"^emb_ln\.", "embeddings.LayerNorm."), (r"^encoder\.layers\.", "layers."),
+              (r"\.attn\.Wqkv\.", ".self_attn.qkv."), (r"\.attn\.out_proj\.", ".self_attn.o_proj."),
+              (r"\.mlp\.fc11\.", ".mlp.up_proj."), (r"\.mlp\.fc12\.", ".mlp.gate_proj."),
+              (r"\.mlp\.fc2\.", ".mlp.down_proj."), (r"\.norm1\.", ".post_attention_layernorm."),
+              (r"\.norm2\.", ".post_mlp_layernorm.")]
+
+Norm = tuple[torch.Tensor, torch.Tensor]
+
+
+def transformers_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def rename(name: str) -> str:
+        for pattern, new in _OWN_NAMES:
+            name = re.sub(pattern, new, name)
+        return name
+    return {rename(n): t for n, t in tensors.items()}
+
+
+@dataclass
+class NomicLayer:
+    qkv: Dense
+    out: Dense
+    attn_norm: Norm
+    gate_up: Dense  # the gate's rows, then the up projection's
+    down: Dense
+    mlp_norm: Norm
+
+
+class NomicBertModel:
+    def __init__(self, cfg: NomicBertConfig, tensors: dict[str, torch.Tensor], device,
+                 dtype: torch.dtype) -> None:
+        self.cfg = cfg
+        w = Weights(transformers_names(tensors), device, dtype)
+
+        def dense(*names: str) -> Dense:
+            return Dense(pack_weight(w.cat([f"{n}.weight" for n in names])), None)
+
+        def norm(name: str) -> Norm:
+            return w.take(f"{name}.weight"), w.take(f"{name}.bias")
+
+        def qkv(i: int) -> Dense:
+            if f"layers.{i}.self_attn.qkv.weight" in w.tensors:
+                return dense(f"layers.{i}.self_attn.qkv")
+            return dense(*(f"layers.{i}.self_attn.{x}_proj" for x in "qkv"))
+
+        self.tokens = w.take("embeddings.word_embeddings.weight")
+        self.types = w.take("embeddings.token_type_embeddings.weight")
+        self.embed_norm = norm("embeddings.LayerNorm")
+        self.layers = [NomicLayer(qkv(i), dense(f"layers.{i}.self_attn.o_proj"),
+                                  norm(f"layers.{i}.post_attention_layernorm"),
+                                  dense(f"layers.{i}.mlp.gate_proj", f"layers.{i}.mlp.up_proj"),
+                                  dense(f"layers.{i}.mlp.down_proj"),
+                                  norm(f"layers.{i}.post_mlp_layernorm"))
+                       for i in range(cfg.num_layers)]
+        self.cos_sin = rope_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings,
+                                          cfg.rope_theta).to(device)
+        self.head = None
+        self.unused_tensors = list(w.tensors)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, sizes: list[int],
+                types: torch.Tensor | None) -> torch.Tensor:
+        """The final hidden states ``[T, hidden]`` of inputs of ``sizes`` tokens packed in
+        ``ids``, at ``positions`` (each input's from 0), of token types ``types`` (None:
+        all 0)."""
+        cfg = self.cfg
+        act, eps = ACTIVATION_FNS[cfg.hidden_act], cfg.layer_norm_eps
+        attention = packed_attention(sizes, cfg.head_dim ** -0.5, ids.device)
+        x = self.tokens[ids] + (self.types[0] if types is None else self.types[types])
+        x = F.layer_norm(x, x.shape[-1:], *self.embed_norm, eps)
+        for layer in self.layers:
+            q, k, v = layer.qkv(x).view(x.shape[0], 3, cfg.num_heads, cfg.head_dim).unbind(1)
+            q, k = rotary(q, k, positions, self.cos_sin)
+            x = F.layer_norm(x + layer.out(attention(q, k, v)), x.shape[-1:],
+                             *layer.attn_norm, eps)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            x = F.layer_norm(x + layer.down(act(gate) * up), x.shape[-1:], *layer.mlp_norm, eps)
+        return x
