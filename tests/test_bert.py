@@ -1,4 +1,4 @@
-"""The bert family (BERT, RoBERTa, XLM-RoBERTa, ModernBERT, DeBERTa and NomicBERT
+"""The bert family (BERT, RoBERTa, XLM-RoBERTa, ModernBERT, DeBERTa, NomicBERT and GTE
 encoders): embeddings and classifier probabilities against transformers' models of the same
 checkpoints, on transformers' tokenization (with its token types for a pair of texts, where
 the model takes them)."""
@@ -235,30 +235,47 @@ def test_unsupported_deberta_configs_are_named(tmp_path):
             make_engine(tmp_path)
 
 
-# transformers' NomicBERT names -> nomic-embed's own (transformers' conversion mapping, read
-# the other way)
-_NOMIC_OWN = {"embeddings.LayerNorm": "emb_ln", "self_attn.o_proj": "attn.out_proj",
-              "mlp.up_proj": "mlp.fc11", "mlp.gate_proj": "mlp.fc12", "mlp.down_proj": "mlp.fc2",
-              "post_attention_layernorm": "norm1", "post_mlp_layernorm": "norm2"}
+# transformers' names -> the checkpoints' own (transformers' conversion mapping, read the
+# other way): the projections each fuses (its own name: transformers' parts), then renames
+OWN_NAMES = {
+    "nomic-bert": ({"attn.Wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")},
+                   {"embeddings.LayerNorm": "emb_ln", "layers.": "encoder.layers.",
+                    "self_attn.o_proj": "attn.out_proj", "mlp.up_proj": "mlp.fc11",
+                    "mlp.gate_proj": "mlp.fc12", "mlp.down_proj": "mlp.fc2",
+                    "post_attention_layernorm": "norm1", "post_mlp_layernorm": "norm2"}),
+    "gte": ({"attention.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             "mlp.up_gate_proj": ("mlp.up_proj", "mlp.gate_proj")},
+            {"layers.": "encoder.layer.", "self_attn.o_proj": "attention.o_proj",
+             "post_attention_layernorm": "attn_ln", "post_mlp_layernorm": "mlp_ln"}),
+}
+
+
+def save_with_own_names(kind: str, model, path, config: dict) -> None:
+    """``model`` (transformers') saved as the hub's checkpoints of ``kind`` are: their own
+    tensor names, and ``config``."""
+    fused, renames = OWN_NAMES[kind]
+    state = dict(model.state_dict())
+    for i in range(model.config.num_hidden_layers):
+        for name, parts in fused.items():
+            for kind_ in ("weight", "bias"):
+                keys = [f"layers.{i}.{part}.{kind_}" for part in parts]
+                if keys[0] in state:
+                    state[f"layers.{i}.{name}.{kind_}"] = torch.cat([state.pop(k) for k in keys])
+    own = {}
+    for name, tensor in state.items():
+        for new, old in renames.items():
+            name = name.replace(new, old)
+        own[name] = tensor.contiguous()
+    safetensors.torch.save_file(own, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(config))
 
 
 def save_as_nomic_checkpoint(model, path, context: int) -> None:
     """``model`` (a transformers NomicBertModel) as nomic-embed's checkpoints are saved: its
     own tensor names (q, k and v fused in ``Wqkv``) and config keys, ``context`` trained
     positions of 8192."""
-    state = dict(model.state_dict())
-    for i in range(model.config.num_hidden_layers):
-        state[f"layers.{i}.self_attn.Wqkv.weight"] = torch.cat(
-            [state.pop(f"layers.{i}.self_attn.{x}_proj.weight") for x in "qkv"])
-    own = {}
-    for name, tensor in state.items():
-        for new, old in _NOMIC_OWN.items():
-            name = name.replace(new, old)
-        own[name.replace("layers.", "encoder.layers.").replace("self_attn.Wqkv", "attn.Wqkv")
-            ] = tensor.contiguous()
-    safetensors.torch.save_file(own, path / "model.safetensors")
     c = model.config
-    (path / "config.json").write_text(json.dumps({
+    save_with_own_names("nomic-bert", model, path, {
         "architectures": ["NomicBertModel"], "model_type": "nomic_bert",
         "vocab_size": c.vocab_size, "n_embd": c.hidden_size, "n_layer": c.num_hidden_layers,
         "n_head": c.num_attention_heads, "n_inner": c.intermediate_size,
@@ -268,17 +285,37 @@ def save_as_nomic_checkpoint(model, path, context: int) -> None:
         "rotary_scaling_factor": None, "n_positions": 8192, "max_trained_positions": context,
         "qkv_proj_bias": False, "mlp_fc1_bias": False, "mlp_fc2_bias": False,
         "prenorm": False, "causal": False, "use_rms_norm": False,
-        "type_vocab_size": c.type_vocab_size}))
+        "type_vocab_size": c.type_vocab_size})
 
 
-def test_a_nomic_embed_checkpoint_loads_with_its_own_names_and_config(tmp_path):
-    """nomic-embed-text's checkpoints keep their remote code's names and config keys; the
-    names are those transformers' conversion mapping renames (it loads them to the same
-    model), and the context is the trained positions."""
-    model = build_tiny_encoder("nomic-bert", tmp_path / "hf")
+def save_as_gte_checkpoint(model, path) -> None:
+    """``model`` (a transformers GteModel) as GTE's hub checkpoints (``NewModel``, remote
+    code) are saved: q, k and v fused, up and gate fused, their config keys."""
+    c = model.config
+    save_with_own_names("gte", model, path, {
+        "architectures": ["NewModel"], "model_type": "new", "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads, "intermediate_size": c.intermediate_size,
+        "hidden_act": "gelu", "layer_norm_eps": c.layer_norm_eps,
+        "max_position_embeddings": c.max_position_embeddings,
+        "type_vocab_size": c.type_vocab_size, "pad_token_id": c.pad_token_id,
+        "position_embedding_type": "rope", "rope_theta": c.rope_parameters["rope_theta"],
+        "rope_scaling": None, "layer_norm_type": "layer_norm", "logn_attention_scale": False,
+        "pack_qkv": True, "unpad_inputs": False})
+
+
+@pytest.mark.parametrize("kind", ["nomic-bert", "gte"])
+def test_a_hub_checkpoint_loads_with_its_own_names_and_config(kind, tmp_path):
+    """nomic-embed-text's and GTE's checkpoints keep their remote code's names and config
+    keys; the names are those transformers' conversion mapping renames (it loads them to the
+    same model), and nomic's context is its trained positions."""
+    model = build_tiny_encoder(kind, tmp_path / "hf")
     own = tmp_path / "own"
     own.mkdir()
-    save_as_nomic_checkpoint(model, own, context=64)
+    if kind == "gte":
+        save_as_gte_checkpoint(model, own)
+    else:
+        save_as_nomic_checkpoint(model, own, context=64)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (own / name).write_text((tmp_path / "hf" / name).read_text())
     # transformers reads the names as its own model's (with its own config)
@@ -290,15 +327,19 @@ def test_a_nomic_embed_checkpoint_loads_with_its_own_names_and_config(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).last_hidden_state, model(ids).last_hidden_state)
     engine = make_engine(own)
-    assert engine.max_model_len == 64
+    assert engine.max_model_len == (64 if kind == "nomic-bert" else 128)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
     for prompt, vector in zip(PROMPTS, engine.embed(PROMPTS)):
         torch.testing.assert_close(vector, F.normalize(hidden_states(model, tokenizer, prompt)[0],
                                                        dim=-1), atol=1e-5, rtol=1e-5)
     config = json.loads((own / "config.json").read_text())
-    for key, value in [("moe_every_n_layers", 2), ("rotary_emb_fraction", 0.5),
-                       ("prenorm", True), ("qkv_proj_bias", True),
-                       ("activation_function", "quick_gelu")]:
+    refused = ([("moe_every_n_layers", 2), ("rotary_emb_fraction", 0.5), ("prenorm", True),
+                ("qkv_proj_bias", True), ("activation_function", "quick_gelu")]
+               if kind == "nomic-bert" else
+               [("rope_scaling", {"type": "ntk", "factor": 2.0}),
+                ("layer_norm_type", "rms_norm"), ("logn_attention_scale", True),
+                ("hidden_act", "quick_gelu")])
+    for key, value in refused:
         (own / "config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(ValueError, match=key):
             make_engine(own)

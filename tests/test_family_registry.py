@@ -6,7 +6,7 @@ from __future__ import annotations
 from heron.core import PluginManager
 from tests.hybrid_models import HYBRIDS
 from tests.nllb_models import MODELS as NLLB
-from tests.tiny_models import BARE, CLASSIFIERS, ENCODERS, FAMILIES
+from tests.tiny_models import BARE, CLASSIFIERS, ENCODERS, FAMILIES, OWN_FORMS
 
 #: family name -> (where its tiny models are declared, those models); each table's parity
 #: test (tests/test_parity.py, tests/test_embeddings.py, tests/test_hybrid_parity.py,
@@ -33,6 +33,7 @@ def test_every_registered_family_has_parity_tests():
             f"entry for {name!r} to FAMILY_TESTS in {__name__.replace('.', '/')}.py")
         where, table = FAMILY_TESTS[name]
         tested = {model_cls.__name__ for model_cls, *_ in table.values()}
+        tested |= {arch for arch, kind in OWN_FORMS.items() if kind in table}
         missing = [a for a in spec.architectures if a not in tested]
         assert not missing, (f"architectures {missing} of family {name!r} have no tiny model "
                              f"in {where}: add one")

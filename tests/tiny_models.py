@@ -88,8 +88,10 @@ ENCODERS = {
                     "position_biased_input": False, "position_buckets": 8,
                     "max_relative_positions": 128, "norm_rel_ebd": "layer_norm",
                     "share_att_key": True, "type_vocab_size": 0}),
-    # NomicBERT as transformers saves it (nomic-embed's own names: tests/test_bert.py)
+    # NomicBERT and GTE as transformers saves them (the checkpoints' own names:
+    # tests/test_bert.py); GTE with biases, one token type and XLM-R's pad id
     "nomic-bert": (transformers.NomicBertModel, transformers.NomicBertConfig, {}),
+    "gte": (transformers.GteModel, transformers.GteConfig, {}),
     # DeBERTa-v2's older form: absolute positions and token types too, position keys and
     # queries of their own, a narrower embedding projected up, unbucketed distances
     "deberta-v2-cls": (transformers.DebertaV2ForSequenceClassification,
@@ -99,6 +101,9 @@ ENCODERS = {
                         "type_vocab_size": 2, "embedding_size": 48, "num_labels": 1,
                         "pooler_hidden_act": "tanh"}),
 }
+#: architectures of checkpoints saved by their own code (remote code) -> the ENCODERS kind
+#: whose transformers model tests/test_bert.py saves in that form, names and config keys
+OWN_FORMS = {"NewModel": "gte"}
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

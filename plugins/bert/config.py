@@ -1,5 +1,5 @@
 """The encoder facts heron needs (BERT, RoBERTa, XLM-RoBERTa; ModernBERT; DeBERTa-v2/v3;
-NomicBERT), read from an HF ``config.json`` dict."""
+NomicBERT and GTE), read from an HF ``config.json`` dict."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ CLASSIFIERS = {a.removesuffix("Model") + "ForSequenceClassification": p
 MODERNBERT = ("ModernBertModel", "ModernBertForSequenceClassification")
 DEBERTA = ("DebertaV2Model", "DebertaV2ForSequenceClassification")
 NOMIC = ("NomicBertModel",)
-ARCHITECTURES = (*ENCODERS, *CLASSIFIERS, *MODERNBERT, *DEBERTA, *NOMIC)
+# transformers' GTE, and the hub checkpoints' own (`NewModel`, remote code)
+GTE = ("GteModel", "NewModel")
+ARCHITECTURES = (*ENCODERS, *CLASSIFIERS, *MODERNBERT, *DEBERTA, *NOMIC, *GTE)
 # transformers' ACT2FN names heron computes (`heron.plugins.bert.model.ACTIVATION_FNS`)
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish", "tanh")
 
@@ -234,15 +236,31 @@ class DebertaConfig(EncoderShape):
 _NOMIC_KEYS = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers",
                "n_head": "num_attention_heads", "n_inner": "intermediate_size",
                "layer_norm_epsilon": "layer_norm_eps"}
+# transformers' defaults where a config leaves a field out: NomicBertConfig's (the shape of
+# nomic-embed-text-v1.5), GteConfig's (gte-multilingual-base's)
+_NOMIC_DEFAULTS = dict(vocab_size=30528, hidden_size=768, num_hidden_layers=12,
+                       num_attention_heads=12, intermediate_size=3072, hidden_act="silu",
+                       type_vocab_size=2, max_position_embeddings=2048, rope_theta=1000.0)
+_GTE_DEFAULTS = dict(vocab_size=250048, hidden_size=768, num_hidden_layers=12,
+                     num_attention_heads=12, intermediate_size=3072, hidden_act="gelu",
+                     type_vocab_size=1, max_position_embeddings=8192, rope_theta=160000.0)
+# settings of the checkpoints' own code heron computes only as shown (key: accepted value)
+_OWN_SETTINGS = {"moe_every_n_layers": 0, "prenorm": False, "rotary_emb_fraction": 1.0,
+                 "rotary_emb_interleaved": False, "rotary_emb_scale_base": None,
+                 "use_rms_norm": False, "qkv_proj_bias": False, "mlp_fc1_bias": False,
+                 "mlp_fc2_bias": False, "layer_norm_type": "layer_norm",
+                 "logn_attention_scale": False, "rope_scaling": None}
 
 
 @dataclass(frozen=True)
-class NomicBertConfig(EncoderShape):
-    """NomicBERT (nomic-embed-text v1 and v1.5): BERT's post-norm layers and token types,
-    rotary positions (rotate-half) in place of position embeddings, a SwiGLU FFN, and no
-    biases. Read from transformers' config or from the checkpoints' own (``n_embd``,
-    ``rotary_emb_base``, ...), whose context is ``max_trained_positions`` (the positions
-    they were trained on, as vLLM and llama.cpp serve them)."""
+class RopeEncoderConfig(EncoderShape):
+    """NomicBERT (nomic-embed-text v1 and v1.5) and GTE (gte-multilingual-base,
+    snowflake-arctic-embed-m-v2.0): post-norm layers, token types where configured, rotary
+    positions (rotate-half) in place of position embeddings and a gated FFN. Read from
+    transformers' configs or from the checkpoints' own (nomic's ``n_embd``,
+    ``rotary_emb_base``, ...; GTE's ``NewModel``); nomic's context is its
+    ``max_trained_positions`` (the positions it was trained on, as vLLM and llama.cpp serve
+    it)."""
 
     hidden_act: str
     layer_norm_eps: float
@@ -255,45 +273,41 @@ class NomicBertConfig(EncoderShape):
         return self.max_position_embeddings
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> NomicBertConfig:
+    def from_hf(cls, cfg: dict) -> RopeEncoderConfig:
         arch = (cfg.get("architectures") or [""])[0]
-        if arch not in NOMIC:
-            raise ValueError(f"{arch!r} is not a NomicBERT architecture")
-        own = "n_embd" in cfg
-        # transformers' NomicBertConfig defaults (nomic-embed-text-v1.5's shape)
-        cfg = {"vocab_size": 30528, "hidden_size": 768, "num_hidden_layers": 12,
-               "num_attention_heads": 12, "intermediate_size": 3072, **cfg,
+        if arch not in (*NOMIC, *GTE):
+            raise ValueError(f"{arch!r} is not a NomicBERT or GTE architecture")
+        nomic_own = "n_embd" in cfg
+        cfg = {**(_NOMIC_DEFAULTS if arch in NOMIC else _GTE_DEFAULTS), **cfg,
                **{new: cfg[old] for old, new in _NOMIC_KEYS.items() if old in cfg}}
-        refused = [(key, cfg[key]) for key, ok in (
-            ("moe_every_n_layers", lambda v: not v), ("prenorm", lambda v: not v),
-            ("rotary_emb_fraction", lambda v: v == 1), ("rotary_emb_interleaved", lambda v: not v),
-            ("rotary_emb_scale_base", lambda v: v is None), ("use_rms_norm", lambda v: not v),
-            ("qkv_proj_bias", lambda v: not v), ("mlp_fc1_bias", lambda v: not v),
-            ("mlp_fc2_bias", lambda v: not v)) if key in cfg and not ok(cfg[key])]
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        refused = [(key, cfg[key]) for key, value in _OWN_SETTINGS.items()
+                   if key in cfg and cfg[key] != value and not (value == 0 and not cfg[key])]
+        rope = cfg.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default" or rope.get(
                 "partial_rotary_factor", 1) != 1:
             refused.append(("rope_parameters", rope))
-        if cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]) * cfg[
-                "num_attention_heads"] != cfg["hidden_size"]:
+        heads = cfg["num_attention_heads"]
+        if cfg.get("head_dim", cfg["hidden_size"] // heads) * heads != cfg["hidden_size"]:
             refused.append(("head_dim", cfg["head_dim"]))
-        act = {"swiglu": "silu"}.get(cfg.get("activation_function"),
-                                     cfg.get("activation_function") or cfg.get("hidden_act",
-                                                                               "silu"))
+        if cfg.get("position_embedding_type", "rope") != "rope":
+            refused.append(("position_embedding_type", cfg["position_embedding_type"]))
+        act = cfg.get("activation_function") or cfg["hidden_act"]
+        act = {"swiglu": "silu", "geglu": "gelu"}.get(act, act)
         if act not in ACTIVATIONS:
-            refused.append(("activation_function" if own else "hidden_act", act))
+            refused.append(("activation_function" if nomic_own else "hidden_act", act))
         if refused:
             key, value = refused[0]
             raise ValueError(f"{arch}: {key} {value!r}; the bert family computes NomicBERT "
-                             "with full rotary embeddings, post-norm layers, a gated FFN and "
-                             "no biases (nomic-embed-text v1 and v1.5, not v2's experts)")
+                             "and GTE with full rotary embeddings without scaling, post-norm "
+                             "LayerNorm layers and a gated FFN (nomic-embed-text v1 and "
+                             "v1.5, not v2's experts)")
         return cls(
             **cls.shape_of(cfg, arch),
             hidden_act=act,
             layer_norm_eps=cfg.get("layer_norm_eps", 1e-12),
-            max_position_embeddings=(cfg.get("max_trained_positions", 2048) if own
-                                     else cfg.get("max_position_embeddings", 2048)),
-            type_vocab_size=cfg.get("type_vocab_size", 2),
+            max_position_embeddings=(cfg.get("max_trained_positions", 2048) if nomic_own
+                                     else cfg["max_position_embeddings"]),
+            type_vocab_size=cfg["type_vocab_size"],
             rope_theta=float(rope.get("rope_theta") or cfg.get("rotary_emb_base")
-                             or cfg.get("rope_theta") or 1000.0),
+                             or cfg["rope_theta"]),
         )

@@ -1,5 +1,5 @@
-"""Loads a BERT, RoBERTa, XLM-RoBERTa, ModernBERT, DeBERTa-v2/v3 or NomicBERT HF directory:
-an encoder (``...Model``, what embedding models are saved as) or a cross-encoder
+"""Loads a BERT, RoBERTa, XLM-RoBERTa, ModernBERT, DeBERTa-v2/v3, NomicBERT or GTE HF
+directory: an encoder (``...Model``, what embedding models are saved as) or a cross-encoder
 (``...ForSequenceClassification``); or an encoder from a llama.cpp GGUF file
 (`heron.plugins.bert.gguf`)."""
 
@@ -12,16 +12,20 @@ from pathlib import Path
 import torch
 
 from heron.core import LoadedModel, ModelConfig, ModelInfo, Tokenizer, load_safetensors
-from heron.plugins.bert.config import (DEBERTA, MODERNBERT, NOMIC, DebertaConfig,
-                                       EncoderConfig, ModernBertConfig, NomicBertConfig)
+from heron.plugins.bert.config import (DEBERTA, GTE, MODERNBERT, NOMIC, DebertaConfig,
+                                       EncoderConfig, ModernBertConfig, RopeEncoderConfig)
 from heron.plugins.bert.deberta import DebertaModel
 from heron.plugins.bert.gguf import load_bert_gguf
 from heron.plugins.bert.model import EncoderModel
 from heron.plugins.bert.modernbert import ModernBertModel
-from heron.plugins.bert.nomic import NomicBertModel
+from heron.plugins.bert.rope_encoder import RopeEncoderModel
 from heron.plugins.bert.runner import EncoderRunner
 
 log = logging.getLogger(__name__)
+
+# architecture -> its config and model classes, where not BERT's (nor ModernBERT's)
+_KINDS = {**dict.fromkeys(DEBERTA, (DebertaConfig, DebertaModel)),
+          **dict.fromkeys((*NOMIC, *GTE), (RopeEncoderConfig, RopeEncoderModel))}
 
 
 def load(path: str, model_config: ModelConfig, device: torch.device,
@@ -40,9 +44,7 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
         model = ModernBertModel(cfg, tensors, device, dtype)
         pooling, types = cfg.classifier_pooling, 0
     else:
-        config_cls, model_cls = ((DebertaConfig, DebertaModel) if arch in DEBERTA
-                                 else (NomicBertConfig, NomicBertModel) if arch in NOMIC
-                                 else (EncoderConfig, EncoderModel))
+        config_cls, model_cls = _KINDS.get(arch, (EncoderConfig, EncoderModel))
         cfg = config_cls.from_hf(config)
         model = model_cls(cfg, tensors, device, dtype)
         # BERT's two segment types; RoBERTa's one reads as none (every token is 0)

@@ -1,6 +1,6 @@
-"""Registers the bert family (BERT, RoBERTa, XLM-RoBERTa, ModernBERT, DeBERTa-v2/v3 and
-NomicBERT encoders: embedding models and cross-encoders; BERT, XLM-RoBERTa and NomicBERT
-also from llama.cpp GGUF files)."""
+"""Registers the bert family (BERT, RoBERTa, XLM-RoBERTa, ModernBERT, DeBERTa-v2/v3,
+NomicBERT and GTE encoders: embedding models and cross-encoders; BERT, XLM-RoBERTa and
+NomicBERT also from llama.cpp GGUF files)."""
 
 from heron.core.family import FamilySpec
 from heron.core.hookspecs import hookimpl

@@ -13,14 +13,14 @@ from heron.core import Batch, CacheSpec, CacheTensors, KVCacheSpec, ModelInfo, M
 from heron.plugins.bert.deberta import DebertaModel
 from heron.plugins.bert.model import EncoderModel
 from heron.plugins.bert.modernbert import ModernBertModel
-from heron.plugins.bert.nomic import NomicBertModel
+from heron.plugins.bert.rope_encoder import RopeEncoderModel
 
 
 class EncoderRunner(ModelRunner):
     attends_whole_prompt = True
     supports_hidden_states = True
 
-    def __init__(self, model: EncoderModel | ModernBertModel | DebertaModel | NomicBertModel,
+    def __init__(self, model: EncoderModel | ModernBertModel | DebertaModel | RopeEncoderModel,
                  info: ModelInfo,
                  default_pooling: str = "cls", num_token_types: int = 0) -> None:
         self.model, self.info = model, info

@@ -208,7 +208,7 @@ def test_nllb_translations_on_cuda_match_cpu(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["bert", "xlm-roberta-cls", "modernbert", "deberta-v2-cls",
-                                  "nomic-bert"])
+                                  "nomic-bert", "gte"])
 def test_encoder_embeddings_on_cuda_match_cpu(kind, tmp_path):
     """The bert family (whole inputs packed into one bidirectional SDPA call) on CUDA, async
     scheduling on by default there, against CPU: an embedding model's vectors, a

@@ -1,15 +1,19 @@
-"""NomicBERT encoder math (nomic-embed-text v1 and v1.5): plain tensors and functional ops.
+"""NomicBERT (nomic-embed-text v1 and v1.5) and GTE (gte-multilingual, snowflake-arctic-embed
+v2) encoder math: plain tensors and functional ops.
 
-Checkpoint facts (transformers' ``modeling_nomic_bert.py``, and its renaming of the
-checkpoints' own tensor names): token and token-type embeddings then a LayerNorm, no
-position embeddings; post-norm layers (LayerNorm after each residual add) whose q and k
-turn by rotary positions (rotate-half, one theta) before attention; a SwiGLU FFN
-(``down(act(gate(x)) * up(x))``); no biases in the projections.
+Checkpoint facts (transformers' ``modeling_nomic_bert.py`` and ``modeling_gte.py``, and their
+renaming of the checkpoints' own tensor names): token (and, where configured, token-type)
+embeddings then a LayerNorm, no position embeddings; post-norm layers (LayerNorm after each
+residual add) whose q and k turn by rotary positions (rotate-half, one theta) before
+attention; a gated FFN (``down(act(gate(x)) * up(x))``); NomicBERT without biases, GTE with
+them on q, k, v, o and the down projection.
 
-The checkpoints on the hub name their tensors as nomic's own code does (``emb_ln``,
+The hub's checkpoints name their tensors as their own code does. nomic's: ``emb_ln``,
 ``encoder.layers.{i}.attn.Wqkv``, ``mlp.fc11`` the up projection, ``mlp.fc12`` the gate,
-``norm1``, ``norm2``); transformers saves them as its model's (``layers.{i}.self_attn.q_proj``,
-...). Both load.
+``norm1``, ``norm2``. GTE's (``NewModel``): a ``new.`` prefix in a model with a head,
+``encoder.layer.{i}.attention.qkv_proj``, ``attention.o_proj``, ``attn_ln``,
+``mlp.up_gate_proj`` (up's rows, then the gate's), ``mlp_ln``. transformers saves them as its
+models' (``layers.{i}.self_attn.q_proj``, ...). All of them load.
 """
 
 from __future__ import annotations
@@ -21,30 +25,38 @@ import torch
 import torch.nn.functional as F
 
 from heron.core.ops import pack_weight, packed_attention, rope_cos_sin_cache, rotary
-from heron.plugins.bert.config import NomicBertConfig
+from heron.plugins.bert.config import RopeEncoderConfig
 from heron.plugins.bert.model import ACTIVATION_FNS, Dense
 from heron.plugins.transformer.model import Weights
 
-# the checkpoints' own names -> transformers' (q, k and v stay fused as `attn.qkv`)
-_OWN_NAMES = [(r"^emb_ln\.", "embeddings.LayerNorm."), (r"^encoder\.layers\.", "layers."),
-              (r"\.attn\.Wqkv\.", ".self_attn.qkv."), (r"\.attn\.out_proj\.", ".self_attn.o_proj."),
+# the checkpoints' own names -> transformers' (q, k and v stay fused as `self_attn.qkv`)
+_OWN_NAMES = [(r"^new\.", ""), (r"^emb_ln\.", "embeddings.LayerNorm."),
+              (r"^encoder\.layers?\.", "layers."), (r"\.attn\.Wqkv\.", ".self_attn.qkv."),
+              (r"\.attention\.qkv_proj\.", ".self_attn.qkv."),
+              (r"\.(attn\.out_proj|attention\.o_proj)\.", ".self_attn.o_proj."),
               (r"\.mlp\.fc11\.", ".mlp.up_proj."), (r"\.mlp\.fc12\.", ".mlp.gate_proj."),
-              (r"\.mlp\.fc2\.", ".mlp.down_proj."), (r"\.norm1\.", ".post_attention_layernorm."),
-              (r"\.norm2\.", ".post_mlp_layernorm.")]
+              (r"\.mlp\.fc2\.", ".mlp.down_proj."),
+              (r"\.(norm1|attn_ln)\.", ".post_attention_layernorm."),
+              (r"\.(norm2|mlp_ln)\.", ".post_mlp_layernorm.")]
 
 Norm = tuple[torch.Tensor, torch.Tensor]
 
 
 def transformers_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    def rename(name: str) -> str:
+    renamed = {}
+    for name, tensor in tensors.items():
         for pattern, new in _OWN_NAMES:
             name = re.sub(pattern, new, name)
-        return name
-    return {rename(n): t for n, t in tensors.items()}
+        if ".mlp.up_gate_proj." in name:  # GTE's: the up projection's rows, then the gate's
+            up, gate = tensor.chunk(2)
+            renamed[name.replace("up_gate_proj", "up_proj")] = up
+            name, tensor = name.replace("up_gate_proj", "gate_proj"), gate
+        renamed[name] = tensor
+    return renamed
 
 
 @dataclass
-class NomicLayer:
+class RopeLayer:
     qkv: Dense
     out: Dense
     attn_norm: Norm
@@ -53,14 +65,15 @@ class NomicLayer:
     mlp_norm: Norm
 
 
-class NomicBertModel:
-    def __init__(self, cfg: NomicBertConfig, tensors: dict[str, torch.Tensor], device,
+class RopeEncoderModel:
+    def __init__(self, cfg: RopeEncoderConfig, tensors: dict[str, torch.Tensor], device,
                  dtype: torch.dtype) -> None:
         self.cfg = cfg
         w = Weights(transformers_names(tensors), device, dtype)
 
         def dense(*names: str) -> Dense:
-            return Dense(pack_weight(w.cat([f"{n}.weight" for n in names])), None)
+            return Dense(pack_weight(w.cat([f"{n}.weight" for n in names])),
+                         w.cat([f"{n}.bias" for n in names], required=False))
 
         def norm(name: str) -> Norm:
             return w.take(f"{name}.weight"), w.take(f"{name}.bias")
@@ -71,9 +84,9 @@ class NomicBertModel:
             return dense(*(f"layers.{i}.self_attn.{x}_proj" for x in "qkv"))
 
         self.tokens = w.take("embeddings.word_embeddings.weight")
-        self.types = w.take("embeddings.token_type_embeddings.weight")
+        self.types = w.take("embeddings.token_type_embeddings.weight", cfg.type_vocab_size > 0)
         self.embed_norm = norm("embeddings.LayerNorm")
-        self.layers = [NomicLayer(qkv(i), dense(f"layers.{i}.self_attn.o_proj"),
+        self.layers = [RopeLayer(qkv(i), dense(f"layers.{i}.self_attn.o_proj"),
                                   norm(f"layers.{i}.post_attention_layernorm"),
                                   dense(f"layers.{i}.mlp.gate_proj", f"layers.{i}.mlp.up_proj"),
                                   dense(f"layers.{i}.mlp.down_proj"),
@@ -82,7 +95,8 @@ class NomicBertModel:
         self.cos_sin = rope_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings,
                                           cfg.rope_theta).to(device)
         self.head = None
-        self.unused_tensors = list(w.tensors)
+        # a checkpoint's pooler or head (GTE's token classifier): what embedding does not read
+        self.unused_tensors = [n for n in w.tensors if not n.startswith("pooler.")]
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, sizes: list[int],
                 types: torch.Tensor | None) -> torch.Tensor:
@@ -92,7 +106,9 @@ class NomicBertModel:
         cfg = self.cfg
         act, eps = ACTIVATION_FNS[cfg.hidden_act], cfg.layer_norm_eps
         attention = packed_attention(sizes, cfg.head_dim ** -0.5, ids.device)
-        x = self.tokens[ids] + (self.types[0] if types is None else self.types[types])
+        x = self.tokens[ids]
+        if self.types is not None:
+            x = x + (self.types[0] if types is None else self.types[types])
         x = F.layer_norm(x, x.shape[-1:], *self.embed_norm, eps)
         for layer in self.layers:
             q, k, v = layer.qkv(x).view(x.shape[0], 3, cfg.num_heads, cfg.head_dim).unbind(1)
