@@ -1,5 +1,5 @@
-"""NomicBERT (nomic-embed-text v1 and v1.5) and GTE (gte-multilingual, snowflake-arctic-embed
-v2) encoder math: plain tensors and functional ops.
+"""NomicBERT (nomic-embed-text v1 and v1.5) and GTE encoder math: plain tensors and
+functional ops.
 
 Checkpoint facts (transformers' ``modeling_nomic_bert.py`` and ``modeling_gte.py``, and their
 renaming of the checkpoints' own tensor names): token (and, where configured, token-type)
