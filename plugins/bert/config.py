@@ -254,10 +254,10 @@ _OWN_SETTINGS = {"moe_every_n_layers": 0, "prenorm": False, "rotary_emb_fraction
 
 @dataclass(frozen=True)
 class RopeEncoderConfig(EncoderShape):
-    """NomicBERT (nomic-embed-text v1 and v1.5) and GTE: post-norm layers, token types where configured, rotary
-    positions (rotate-half) in place of position embeddings and a gated FFN. Read from
-    transformers' configs or from the checkpoints' own (nomic's ``n_embd``,
-    ``rotary_emb_base``, ...; GTE's ``NewModel``); nomic's context is its
+    """NomicBERT (nomic-embed-text v1 and v1.5) and GTE: post-norm layers, token types
+    where configured, rotary positions (rotate-half) in place of position embeddings and a
+    gated FFN. Read from transformers' configs or from the checkpoints' own (nomic's
+    ``n_embd``, ``rotary_emb_base``, ...; GTE's ``NewModel``); nomic's context is its
     ``max_trained_positions`` (the positions it was trained on, as vLLM and llama.cpp serve
     it)."""
 
