@@ -3,7 +3,9 @@
 A random-weight ``BertModel`` of bert-base's shape (12 layers, 768 wide, 12 heads: the shape
 of bge-base and e5-base; no download), or with ``--model deberta-v3`` a ``DebertaV2Model``
 of deberta-v3-base's (the same widths; relative positions on 256 log buckets, the shape of
-the DeBERTa-v3 cross-encoders and NLI classifiers), saved with a WordPiece tokenizer of its
+the DeBERTa-v3 cross-encoders and NLI classifiers), or with ``--model nomic`` a
+``NomicBertModel`` of nomic-embed-text-v1.5's (rotary positions, SwiGLU, no biases), saved
+with a WordPiece tokenizer of its
 vocabulary size. The same ``--inputs`` token-id inputs (``--min-len`` to ``--max-len`` tokens, CLS
 pooling, L2-normalized, fp32 on the CPU) go through heron's ``Engine.embed`` (whole inputs
 packed into steps of ``engine.max_num_batched_tokens``) and through transformers' model the
@@ -12,7 +14,7 @@ way sentence-transformers runs it (inputs sorted by length, padded batches of
 heron ÷ transformers, and the least cosine similarity of the two systems' vectors. Writes
 ``bench/results/encoders-<model>-<date>.json`` and a markdown table (``.md``).
 
-    python -m bench.encoders [--model bert|deberta-v3] [--inputs 128] [--rounds 2]
+    python -m bench.encoders [--model bert|deberta-v3|nomic] [--inputs 128] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def model_config(name: str):
     import transformers
     if name == "bert":
         return transformers.BertConfig()  # bert-base-uncased's
+    if name == "nomic":
+        return transformers.NomicBertConfig()  # nomic-embed-text-v1.5's
     return transformers.DebertaV2Config(  # microsoft/deberta-v3-base's
         hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
         vocab_size=128100, relative_attention=True, pos_att_type=["p2c", "c2p"],
@@ -139,7 +143,7 @@ def markdown(r: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["bert", "deberta-v3"], default="bert")
+    parser.add_argument("--model", choices=["bert", "deberta-v3", "nomic"], default="bert")
     parser.add_argument("--inputs", type=int, default=128)
     parser.add_argument("--min-len", type=int, default=16)
     parser.add_argument("--max-len", type=int, default=256)

@@ -380,3 +380,26 @@ def test_a_nomic_bert_file_embeds_as_transformers(tmp_path):
         torch.testing.assert_close(vector, F.normalize(hidden.mean(0), dim=-1),
                                    atol=1e-5, rtol=1e-5)
     assert_no_leaks(engine)
+
+
+def test_a_distilbert_file_without_token_types_embeds_as_transformers(tmp_path):
+    """llama.cpp writes DistilBERT as ``bert`` without the token-type rows it lacks."""
+    model = build_tiny_encoder("distilbert", tmp_path)
+    c = model.config
+    config = {"hidden_size": c.dim, "num_hidden_layers": c.n_layers,
+              "num_attention_heads": c.n_heads, "intermediate_size": c.hidden_dim,
+              "layer_norm_eps": 1e-12, "type_vocab_size": 0, "vocab_size": c.vocab_size}
+    writer = _encoder_writer(tmp_path / "distil.gguf", config, gguf.PoolingType.MEAN,
+                             c.max_position_embeddings)
+    _wordpiece_vocab(writer, tmp_path, c.vocab_size, True)
+    _finish(writer, tmp_path, config, model.state_dict())
+    assert "token_types.weight" not in {t.name for t in gguf.GGUFReader(
+        tmp_path / "distil.gguf").tensors}
+    engine = make_engine(tmp_path / "distil.gguf")
+    assert engine.runner.num_token_types == 0
+    theirs = AutoTokenizer.from_pretrained(tmp_path)
+    for text, vector in zip(TEXTS, engine.embed(TEXTS)):
+        with torch.no_grad():
+            hidden = model(**theirs(text, return_tensors="pt")).last_hidden_state[0]
+        torch.testing.assert_close(vector, F.normalize(hidden.mean(0), dim=-1),
+                                   atol=1e-5, rtol=1e-5)

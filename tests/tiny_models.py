@@ -88,6 +88,12 @@ ENCODERS = {
                     "position_biased_input": False, "position_buckets": 8,
                     "max_relative_positions": 128, "norm_rel_ebd": "layer_norm",
                     "share_att_key": True, "type_vocab_size": 0}),
+    # DistilBERT: BERT's layers under other names and config keys, no token types; its
+    # classifier's head is pre_classifier, ReLU, classifier
+    "distilbert": (transformers.DistilBertModel, transformers.DistilBertConfig,
+                   {"hidden_dim": 128}),
+    "distilbert-cls": (transformers.DistilBertForSequenceClassification,
+                       transformers.DistilBertConfig, {"hidden_dim": 128, "num_labels": 3}),
     # NomicBERT and GTE as transformers saves them (the checkpoints' own names:
     # tests/test_bert.py); GTE with biases, one token type and XLM-R's pad id
     "nomic-bert": (transformers.NomicBertModel, transformers.NomicBertConfig, {}),

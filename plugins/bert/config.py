@@ -1,12 +1,13 @@
-"""The encoder facts heron needs (BERT, RoBERTa, XLM-RoBERTa; ModernBERT; DeBERTa-v2/v3;
-NomicBERT and GTE), read from an HF ``config.json`` dict."""
+"""The encoder facts heron needs (BERT, RoBERTa, XLM-RoBERTa, DistilBERT; ModernBERT;
+DeBERTa-v2/v3; NomicBERT and GTE), read from an HF ``config.json`` dict."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 # architecture -> the prefix its tensors carry in a model with a head
-ENCODERS = {"BertModel": "bert", "RobertaModel": "roberta", "XLMRobertaModel": "roberta"}
+ENCODERS = {"BertModel": "bert", "RobertaModel": "roberta", "XLMRobertaModel": "roberta",
+            "DistilBertModel": "distilbert"}
 CLASSIFIERS = {a.removesuffix("Model") + "ForSequenceClassification": p
                for a, p in ENCODERS.items()}
 MODERNBERT = ("ModernBertModel", "ModernBertForSequenceClassification")
@@ -79,6 +80,12 @@ class EncoderConfig(EncoderShape):
         arch = (cfg.get("architectures") or [""])[0]
         if arch not in ARCHITECTURES:
             raise ValueError(f"the bert family does not serve {arch!r}")
+        if arch.startswith("DistilBert"):  # BERT's layers under other names, no token types
+            cfg = {**cfg, "hidden_size": cfg.get("dim", 768),
+                   "num_hidden_layers": cfg.get("n_layers", 6),
+                   "num_attention_heads": cfg.get("n_heads", 12),
+                   "intermediate_size": cfg.get("hidden_dim", 3072),
+                   "hidden_act": cfg.get("activation", "gelu"), "type_vocab_size": 0}
         kind = cfg.get("position_embedding_type", "absolute")
         if kind != "absolute":
             raise ValueError(f"{arch}: position_embedding_type {kind!r}; the bert family "

@@ -1,11 +1,13 @@
-"""BERT / RoBERTa / XLM-RoBERTa encoder math: plain tensors and functional ops, no nn.Module.
+"""BERT / RoBERTa / XLM-RoBERTa / DistilBERT encoder math: plain tensors and functional ops,
+no nn.Module.
 
-Checkpoint facts (transformers' ``modeling_bert.py``, ``modeling_roberta.py``): post-norm
-layers (LayerNorm after each residual add) with biased projections, q scaled by
-``head_dim ** -0.5``, learned absolute positions (RoBERTa's from row ``pad_token_id + 1``)
-and token-type embeddings added to the token's, then a LayerNorm. A classifier's head reads
-the first token: BERT's pooler (dense, tanh) then ``classifier``; RoBERTa's
-``classifier.dense``, tanh, ``classifier.out_proj``.
+Checkpoint facts (transformers' ``modeling_bert.py``, ``modeling_roberta.py``,
+``modeling_distilbert.py``): post-norm layers (LayerNorm after each residual add) with
+biased projections, q scaled by ``head_dim ** -0.5``, learned absolute positions (RoBERTa's
+from row ``pad_token_id + 1``) and token-type embeddings (not DistilBERT's) added to the
+token's, then a LayerNorm. A classifier's head reads the first token: BERT's pooler (dense,
+tanh) then ``classifier``; RoBERTa's ``classifier.dense``, tanh, ``classifier.out_proj``;
+DistilBERT's ``pre_classifier``, ReLU, ``classifier``.
 """
 
 from __future__ import annotations
@@ -76,12 +78,27 @@ class Layer:
         return F.layer_norm(h + x, x.shape[-1:], *self.ffn_norm, eps)
 
 
+# DistilBERT's names for BERT's layer tensors
+_DISTILBERT_NAMES = [("transformer.layer.", "encoder.layer."),
+                     ("attention.q_lin.", "attention.self.query."),
+                     ("attention.k_lin.", "attention.self.key."),
+                     ("attention.v_lin.", "attention.self.value."),
+                     ("attention.out_lin.", "attention.output.dense."),
+                     ("sa_layer_norm.", "attention.output.LayerNorm."),
+                     ("ffn.lin1.", "intermediate.dense."), ("ffn.lin2.", "output.dense."),
+                     ("output_layer_norm.", "output.LayerNorm.")]
+
+
 def checkpoint_names(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    """The tensors named as a bare encoder's (``embeddings.``, ``encoder.``): without the
-    ``bert.`` / ``roberta.`` prefix a model with a head saves them under, and with old
-    checkpoints' LayerNorm ``gamma`` / ``beta`` called ``weight`` / ``bias``."""
+    """The tensors named as a bare BERT encoder's (``embeddings.``, ``encoder.``): without
+    the ``bert.`` / ``roberta.`` / ``distilbert.`` prefix a model with a head saves them
+    under, with old checkpoints' LayerNorm ``gamma`` / ``beta`` called ``weight`` /
+    ``bias``, and DistilBERT's layer tensors under BERT's names."""
     def name(n: str) -> str:
         n = n.removeprefix(prefix + ".")
+        if prefix == "distilbert":
+            for old, new in _DISTILBERT_NAMES:
+                n = n.replace(old, new)
         return n.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta",
                                                                           "LayerNorm.bias")
     return {name(n): t for n, t in tensors.items()}
@@ -94,7 +111,7 @@ class EncoderModel:
         w = Weights(checkpoint_names(tensors, cfg.prefix), device, dtype)
         self.tokens = w.take("embeddings.word_embeddings.weight")
         self.positions = w.take("embeddings.position_embeddings.weight")
-        self.types = w.take("embeddings.token_type_embeddings.weight")
+        self.types = w.take("embeddings.token_type_embeddings.weight", cfg.type_vocab_size > 0)
         self.embed_norm = (w.take("embeddings.LayerNorm.weight"),
                            w.take("embeddings.LayerNorm.bias"))
         self.layers = [Layer.load(w, f"encoder.layer.{i}.", ("query", "key", "value"))
@@ -113,7 +130,8 @@ class EncoderModel:
         eps, act = cfg.layer_norm_eps, ACTIVATION_FNS[cfg.hidden_act]
         attention = packed_attention(sizes, cfg.head_dim ** -0.5, ids.device)
         x = self.tokens[ids] + self.positions[positions + cfg.position_offset]
-        x = x + (self.types[0] if types is None else self.types[types])
+        if self.types is not None:
+            x = x + (self.types[0] if types is None else self.types[types])
         x = F.layer_norm(x, x.shape[-1:], *self.embed_norm, eps)
         for layer in self.layers:
             x = layer(x, attention, act, eps, cfg.num_heads)
@@ -124,5 +142,9 @@ def score_head(w: Weights, prefix: str) -> ScoreHead:
     if prefix == "bert":  # its pooler, then the classifier
         return ScoreHead(w.take("classifier.weight"), w.take("classifier.bias"),
                          (w.take("pooler.dense.weight"), w.take("pooler.dense.bias")))
+    if prefix == "distilbert":
+        return ScoreHead(w.take("classifier.weight"), w.take("classifier.bias"),
+                         (w.take("pre_classifier.weight"), w.take("pre_classifier.bias")),
+                         F.relu)
     return ScoreHead(w.take("classifier.out_proj.weight"), w.take("classifier.out_proj.bias"),
                      (w.take("classifier.dense.weight"), w.take("classifier.dense.bias")))

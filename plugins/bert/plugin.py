@@ -1,5 +1,5 @@
-"""Registers the bert family (BERT, RoBERTa, XLM-RoBERTa, ModernBERT, DeBERTa-v2/v3,
-NomicBERT and GTE encoders: embedding models and cross-encoders; BERT, XLM-RoBERTa and
+"""Registers the bert family (BERT, RoBERTa, XLM-RoBERTa, DistilBERT, ModernBERT,
+DeBERTa-v2/v3, NomicBERT and GTE encoders: embedding models and cross-encoders; BERT, XLM-RoBERTa and
 NomicBERT also from llama.cpp GGUF files)."""
 
 from heron.core.family import FamilySpec
