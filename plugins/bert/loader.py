@@ -1,6 +1,6 @@
 """Loads a BERT, RoBERTa, XLM-RoBERTa, DistilBERT, ModernBERT, DeBERTa-v2/v3, NomicBERT or
-GTE HF directory: an encoder (``...Model``, what embedding models are saved as) or a cross-encoder
-(``...ForSequenceClassification``); or an encoder from a llama.cpp GGUF file
+GTE HF directory: an encoder (``...Model``, what embedding models are saved as) or a
+cross-encoder (``...ForSequenceClassification``); or an encoder from a llama.cpp GGUF file
 (`heron.plugins.bert.gguf`)."""
 
 from __future__ import annotations
