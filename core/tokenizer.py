@@ -212,8 +212,8 @@ class Tokenizer:
 
         Byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``: GPT-2, Llama 3,
         Qwen, SmolLM...), BERT's WordPiece ones (``"bert"``) and sentencepiece Unigram ones
-        (``"t5"``, XLM-RoBERTa's) are supported; others raise ValueError. Control tokens (type 3) become special tokens, user-defined ones
-        (type 4) plain added tokens.
+        (``"t5"``, XLM-RoBERTa's) are supported; others raise ValueError. Control tokens
+        (type 3) become special tokens, user-defined ones (type 4) plain added tokens.
         """
         def field(key: str, default: Any = None) -> Any:
             f = reader.fields.get(key)
