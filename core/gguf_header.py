@@ -1,7 +1,9 @@
-"""Reads single metadata values from a GGUF header without parsing the whole file.
+"""Reads a GGUF header without the tensors' data: single metadata values, or all of them
+with the tensors' shapes.
 
 `gguf.GGUFReader` parses every field (a 49k-token vocabulary takes seconds); picking a
-model family only needs ``general.architecture``, usually the first key.
+model family only needs ``general.architecture``, usually the first key, and deciding what
+a model serves a few more keys and tensor names (a tenth of a second for such a vocabulary).
 """
 
 from __future__ import annotations
@@ -34,16 +36,35 @@ def _value(f: BinaryIO, kind: int) -> Any:
     raise ValueError(f"unknown GGUF value type {kind}")
 
 
+def _items(f: BinaryIO, path: str | Path):
+    """(key, value) of each metadata entry, in order, then the tensor count."""
+    if f.read(4) != b"GGUF":
+        raise ValueError(f"{str(path)!r} is not a GGUF file")
+    _read(f, "<I")  # version
+    tensors = _read(f, "<Q")
+    for _ in range(_read(f, "<Q")):
+        name = f.read(_read(f, "<Q")).decode("utf-8", errors="replace")
+        yield name, _value(f, _read(f, "<I"))
+    yield None, tensors
+
+
 def read_gguf_value(path: str | Path, key: str) -> Any:
     """The value of metadata ``key``, or KeyError. Stops reading at the key."""
     with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ValueError(f"{str(path)!r} is not a GGUF file")
-        _read(f, "<I")  # version
-        _read(f, "<Q")  # tensor count
-        for _ in range(_read(f, "<Q")):
-            name = f.read(_read(f, "<Q")).decode("utf-8", errors="replace")
-            value = _value(f, _read(f, "<I"))
+        for name, value in _items(f, path):
             if name == key:
                 return value
     raise KeyError(f"GGUF file {str(path)!r} has no metadata key {key!r}")
+
+
+def read_gguf_header(path: str | Path) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
+    """Every metadata value by key, and every tensor's shape by name (as gguf writes it:
+    the fastest-varying dimension first)."""
+    with open(path, "rb") as f:
+        metadata = dict(_items(f, path))
+        shapes = {}
+        for _ in range(metadata.pop(None)):
+            name = f.read(_read(f, "<Q")).decode("utf-8", errors="replace")
+            shapes[name] = tuple(_read(f, "<Q") for _ in range(_read(f, "<I")))
+            _read(f, "<I"), _read(f, "<Q")  # type, offset
+    return metadata, shapes

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from heron.core.config import ConfigError, ModelConfig
-from heron.core.gguf_header import read_gguf_value
+from heron.core.gguf_header import read_gguf_header
 from heron.core.sampling_params import SamplingParams
 
 # sentence-transformers' Pooling config: the modes heron pools with (others are refused)
@@ -139,9 +139,9 @@ def resolve_pooling(model: ModelConfig, path: Path) -> Pooling | None:
     modules = _st_modules(path)
     config = _hf_config(path)
     arch = _architecture(config)
-    gguf_method = _gguf_pooling(path)
-    bare = _is_bare_model(arch) or gguf_method is not None
-    classifier = arch.endswith("ForSequenceClassification")
+    gguf_method, gguf_labels = _gguf_pooling(path)
+    bare = _is_bare_model(arch) or (gguf_method is not None and not gguf_labels)
+    classifier = arch.endswith("ForSequenceClassification") or bool(gguf_labels)
     from_tokens = model.classifier_from_tokens
     task = model.task
     if task == "auto":
@@ -162,7 +162,7 @@ def resolve_pooling(model: ModelConfig, path: Path) -> Pooling | None:
         if from_tokens:  # two tokens [no, yes]: one label, the second's probability
             labels = tuple(from_tokens[1:] if len(from_tokens) == 2 else from_tokens)
         elif classifier:
-            labels = _labels(config)
+            labels = gguf_labels or _labels(config)
         else:
             raise ConfigError(f"model.task = \"classify\": {path.name} is a {arch or 'model'}"
                               ", not a sequence-classification checkpoint (architecture "
@@ -193,26 +193,27 @@ def _matryoshka(model: ModelConfig, config: dict) -> bool | tuple[int, ...]:
 _GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
 
 
-def _gguf_pooling(path: Path) -> str | None:
+def _gguf_pooling(path: Path) -> tuple[str | None, tuple[str, ...]]:
     """How the embedding model of a GGUF file pools (its ``pooling_type``; "auto" for an
-    encoder, ``attention.causal`` false, that names none); None for a generating model."""
+    encoder, ``attention.causal`` false, that names none; None for a generating model), and
+    a sequence classifier's labels, for a file with a classifier's rows (``cls.output``):
+    its ``classifier.output_labels``, which llama.cpp's converter writes unless they are
+    transformers' defaults, ``LABEL_0`` ... (as many as the rows)."""
     if not (path.is_file() and path.suffix == ".gguf"):
-        return None
-
-    def value(key: str):
-        try:
-            return read_gguf_value(path, key)
-        except KeyError:
-            return None
-
-    arch = value("general.architecture")
-    kind = value(f"{arch}.pooling_type")
-    if kind == 4:
-        raise ConfigError(f"{path.name} is a reranker (pooling_type rank): heron serves "
-                          "GGUF embedding models, and rerankers from their HF checkpoints")
+        return None, ()
+    metadata, shapes = read_gguf_header(path)
+    arch = metadata.get("general.architecture")
+    rows = shapes.get("cls.output.weight", (0, 0))[1]
+    labels = tuple(metadata.get(f"{arch}.classifier.output_labels")
+                   or (f"LABEL_{i}" for i in range(rows)))
+    kind = metadata.get(f"{arch}.pooling_type")
+    if kind == 4 and not labels:
+        raise ConfigError(f"{path.name}: pooling_type rank, but no classifier's rows "
+                          "(cls.output) to rank with")
     if kind in _GGUF_POOLING:
-        return _GGUF_POOLING[kind]
-    return "auto" if value(f"{arch}.attention.causal") is False else None
+        return _GGUF_POOLING[kind], labels
+    encoder = metadata.get(f"{arch}.attention.causal") is False or labels
+    return ("auto" if encoder else None), labels
 
 
 def _st_modules(path: Path) -> list[dict] | None:

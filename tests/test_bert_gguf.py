@@ -131,7 +131,8 @@ def write_nomic_gguf(model, own_dir, path, pooling: int = gguf.PoolingType.MEAN)
 
 
 def write_xlm_roberta_gguf(hf_dir, path, pooling: int | None = gguf.PoolingType.MEAN) -> None:
-    """``hf_dir``'s XLMRobertaModel as llama.cpp's converter writes it from a
+    """``hf_dir``'s XLMRobertaModel (or classifier, its labels named) as llama.cpp's
+    converter writes it from a
     ``sentencepiece.bpe.model``: the pieces in fairseq's order (``<s> <pad> </s> <unk>``,
     then sentencepiece's pieces from its id 3 on), their scores and types, and the model's
     normalizer settings."""
@@ -159,13 +160,20 @@ def write_xlm_roberta_gguf(hf_dir, path, pooling: int | None = gguf.PoolingType.
     writer.add_add_space_prefix(proto.normalizer_spec.add_dummy_prefix)
     writer.add_remove_extra_whitespaces(proto.normalizer_spec.remove_extra_whitespaces)
     writer.add_precompiled_charsmap(proto.normalizer_spec.precompiled_charsmap)
-    model = transformers.XLMRobertaModel.from_pretrained(hf_dir).eval()
-    _finish(writer, hf_dir, config, model.state_dict(), position_offset=offset)
+    architecture = config["architectures"][0]
+    model = getattr(transformers, architecture).from_pretrained(hf_dir).eval()
+    if architecture.endswith("ForSequenceClassification"):
+        writer.add_classifier_output_labels([config["id2label"][str(i)]
+                                             for i in range(len(config["id2label"]))])
+    # the converter reads a classifier's encoder without its "roberta." prefix
+    state = {n.removeprefix("roberta."): t for n, t in model.state_dict().items()}
+    _finish(writer, hf_dir, config, state, position_offset=offset)
 
 
-def build_xlm_roberta(directory):
-    """A tiny XLM-RoBERTa with a sentencepiece Unigram vocabulary (nmt_nfkc normalization)
-    in fairseq's layout, converted by transformers as an XLM-RoBERTa checkpoint's is."""
+def build_xlm_roberta(directory, kind: str = "xlm-roberta"):
+    """A tiny XLM-RoBERTa (`ENCODERS` ``kind``: the encoder or a classifier) with a
+    sentencepiece Unigram vocabulary (nmt_nfkc normalization) in fairseq's layout, converted
+    by transformers as an XLM-RoBERTa checkpoint's is."""
     import sentencepiece as spm
 
     from tests.nllb_models import corpus
@@ -178,7 +186,7 @@ def build_xlm_roberta(directory):
     (directory / "sentencepiece.bpe.model").write_bytes(model.getvalue())
     transformers.XLMRobertaTokenizer.from_pretrained(directory).save_pretrained(directory)
     torch.manual_seed(0)
-    model_cls, config_cls, extra = ENCODERS["xlm-roberta"]
+    model_cls, config_cls, extra = ENCODERS[kind]
     encoder = model_cls(config_cls(**{**ENCODER_COMMON, **extra})).eval()
     randomise_weights(encoder, 0.3)
     encoder.save_pretrained(directory)
@@ -300,7 +308,7 @@ def test_the_file_s_pooling_type_is_the_default(bert, tmp_path):
         make_engine(bare, **{"model.task": "generate"})
     rank = tmp_path / "rank.gguf"
     write_gguf(hf_dir, rank, pooling=gguf.PoolingType.RANK)
-    with pytest.raises(ConfigError, match="reranker"):
+    with pytest.raises(ConfigError, match="pooling_type rank, but no classifier"):
         make_engine(rank)
 
 
@@ -403,3 +411,50 @@ def test_a_distilbert_file_without_token_types_embeds_as_transformers(tmp_path):
             hidden = model(**theirs(text, return_tensors="pt")).last_hidden_state[0]
         torch.testing.assert_close(vector, F.normalize(hidden.mean(0), dim=-1),
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_an_xlm_roberta_reranker_file_scores_pairs_as_transformers(tmp_path):
+    """A cross-encoder's file (bge-reranker-v2-m3's kind): its classifier's dense layer and
+    rows (``cls``, ``cls.output``) make it a classifier under model.task "auto", labelled as
+    the file says; pairs as transformers' tokenizer pairs them, scored as its model does,
+    over HTTP too."""
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    model = build_xlm_roberta(hf_dir, "xlm-roberta-cls")
+    path = tmp_path / "reranker.gguf"
+    write_xlm_roberta_gguf(hf_dir, path, pooling=None)
+    engine = make_engine(path)
+    assert engine.pooler.pooling.labels == ("LABEL_0",)
+    theirs = AutoTokenizer.from_pretrained(hf_dir)
+    query, documents = TEXTS[0], XLMR_TEXTS[1:]
+    pairs = [engine.tokenizer.encode_pair(query, d)[0] for d in documents]
+    assert pairs == [theirs(query, d)["input_ids"] for d in documents]
+    with torch.no_grad():
+        expected = model(**theirs([query] * len(documents), documents, padding=True,
+                                   return_tensors="pt")).logits.sigmoid()[:, 0]
+    torch.testing.assert_close(torch.stack(engine.embed(pairs))[:, 0], expected,
+                               atol=1e-5, rtol=1e-5)
+    config = server_config(path, **{"server.served_model_name": "reranker"})
+    with ServerThread(config, Engine(config)) as server:
+        status, _, raw = server.http("POST", "/rerank", {"query": query,
+                                                         "documents": documents})
+    ranked = json.loads(raw)["results"]
+    assert status == 200 and len(ranked) == len(documents)
+    for item in ranked:
+        assert abs(item["relevance_score"] - expected[item["index"]].item()) < 1e-5
+
+
+def test_a_bert_classifier_file_without_its_pooler_is_refused(tmp_path):
+    """llama.cpp's converter drops BERT's pooler, the dense layer a BERT classifier's head
+    starts with, and keeps only the labels' rows: such a file cannot score as the model."""
+    model = build_tiny_encoder("bert-cls3", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    writer = _encoder_writer(tmp_path / "cls.gguf", config, None,
+                             config["max_position_embeddings"])
+    _wordpiece_vocab(writer, tmp_path, config["vocab_size"], True)
+    writer.add_classifier_output_labels(["neg", "neutral", "pos"])
+    state = {n.removeprefix("bert.").replace("classifier.", "classifier.out_proj."): t
+             for n, t in model.state_dict().items()}
+    _finish(writer, tmp_path, config, state)
+    with pytest.raises(ValueError, match="BERT's pooler"):
+        make_engine(tmp_path / "cls.gguf")

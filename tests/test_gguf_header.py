@@ -6,7 +6,7 @@ import gguf
 import numpy as np
 import pytest
 
-from heron.core.gguf_header import read_gguf_value
+from heron.core.gguf_header import read_gguf_header, read_gguf_value
 
 
 def test_reads_values_written_by_gguf_writer(tmp_path):
@@ -32,3 +32,12 @@ def test_reads_values_written_by_gguf_writer(tmp_path):
     bad.write_bytes(b"nope")
     with pytest.raises(ValueError, match="not a GGUF"):
         read_gguf_value(bad, "general.architecture")
+
+
+def test_the_whole_header_reads_as_gguf_reads_it(default_gguf_path):
+    metadata, shapes = read_gguf_header(default_gguf_path)
+    reader = gguf.GGUFReader(default_gguf_path)
+    assert metadata.keys() == {k for k in reader.fields if not k.startswith("GGUF.")}
+    for key in ("general.architecture", "tokenizer.ggml.tokens", "llama.rope.freq_base"):
+        assert metadata[key] == reader.fields[key].contents(), key
+    assert shapes == {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}

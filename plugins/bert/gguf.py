@@ -6,8 +6,10 @@ and the tokenizer (BERT's WordPiece or XLM-RoBERTa's Unigram vocabulary:
 `Tokenizer.from_gguf`).
 
 llama.cpp's converter writes XLM-RoBERTa checkpoints as ``bert`` too, with their position
-rows already shifted to start at 0, so every file reads as a `BertModel`. Its sequence
-classifiers (``pooling_type`` rank, ``cls.*`` tensors) are refused by name.
+rows already shifted to start at 0, so every file reads as a `BertModel`; a sequence
+classifier (``cls.*`` tensors: XLM-RoBERTa's rerankers, bge-reranker-v2-m3) as a
+`BertForSequenceClassification`, whose pooler and classifier compute RoBERTa's head. BERT's
+own classifiers lose their pooler in the converter and are refused.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ _GLOBAL_NAMES = {
     "token_types.weight": "embeddings.token_type_embeddings.weight",
     "token_embd_norm.weight": "embeddings.LayerNorm.weight",
     "token_embd_norm.bias": "embeddings.LayerNorm.bias",
+    # a classifier's head: dense, tanh, then the labels' rows (RoBERTa's classifier.dense
+    # and out_proj), computed as BERT's pooler and classifier are
+    "cls.weight": "pooler.dense.weight", "cls.bias": "pooler.dense.bias",
+    "cls.output.weight": "classifier.weight", "cls.output.bias": "classifier.bias",
 }
 # general.architecture -> (HF architecture, a layer's tensors' names, their prefix)
 _ARCHS = {
@@ -53,9 +59,7 @@ def _hf_name(name: str, arch: str) -> str:
     _, layer_names, prefix = _ARCHS[arch]
     m = _LAYER_RE.fullmatch(name)
     if m is None or m.group(2) not in layer_names:
-        raise ValueError(f"GGUF tensor {name!r} is not part of a {arch} encoder heron reads"
-                         + (" (a reranker's head: GGUF rerankers are not served; use the "
-                            "HF checkpoint)" if name.startswith("cls") else ""))
+        raise ValueError(f"GGUF tensor {name!r} is not part of a {arch} encoder heron reads")
     return f"{prefix}.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
 
 
@@ -64,7 +68,7 @@ def load_bert_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
     """(config, tensors, tokenizer) of the GGUF file at ``path``: ``config`` reads like a
     `BertModel`'s or `NomicBertModel`'s ``config.json``, ``tensors`` are float32 under
     the bare model's names (NomicBERT's q, k and v fused). ValueError for another
-    architecture, a reranker or another kind of vocabulary."""
+    architecture, a classifier without its dense layer or another kind of vocabulary."""
     reader = read_gguf(path)
 
     def field(key: str, default: Any = None) -> Any:
@@ -80,11 +84,17 @@ def load_bert_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
                          "vocabularies from GGUF files")
     tensors = {_hf_name(t.name, arch): torch.from_numpy(dequantize_tensor(t))
                for t in reader.tensors}
+    classifier = "classifier.weight" in tensors
+    if classifier and "pooler.dense.weight" not in tensors:
+        raise ValueError(f"{Path(path).name}: a classifier without the dense layer before its "
+                         "labels' rows (llama.cpp's converter drops BERT's pooler); serve "
+                         "the HF checkpoint")
     words = tensors["embeddings.word_embeddings.weight"]
     types = tensors.get("embeddings.token_type_embeddings.weight")
     positions = tensors.get("embeddings.position_embeddings.weight")
     config = {
-        "architectures": [_ARCHS[arch][0]],
+        "architectures": [_ARCHS[arch][0].replace("Model", "ForSequenceClassification")
+                          if classifier else _ARCHS[arch][0]],
         "vocab_size": words.shape[0],
         "hidden_size": field(f"{arch}.embedding_length"),
         "intermediate_size": field(f"{arch}.feed_forward_length"),
