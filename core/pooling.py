@@ -132,7 +132,9 @@ def resolve_pooling(model: ModelConfig, path: Path) -> Pooling | None:
     bare model, whose pooling and normalization then come from its modules unless
     ``[model]`` sets them, and classifies with a sequence-classification checkpoint
     (not normalized, unless ``[model]`` says otherwise), as it does a causal LM given
-    ``classifier_from_tokens``. Where neither ``[model]`` nor the modules name the pooling,
+    ``classifier_from_tokens``. A GGUF file embeds when it names a pooling type or is an
+    encoder, pooled as it says, and classifies when it has a classifier's rows
+    (`_gguf_pooling`). Where neither ``[model]`` nor the modules name the pooling,
     it is "auto": the loaded family's `ModelRunner.default_pooling`. ConfigError for a
     model without an LM head asked to generate, one without a score head asked to
     classify, or a pooling mode heron does not implement."""
