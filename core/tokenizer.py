@@ -207,13 +207,16 @@ class Tokenizer:
                    chat_template=_hf_chat_template(path, config), add_bos_token=adds_bos)
 
     @classmethod
-    def from_gguf(cls, reader: Any) -> Tokenizer:
+    def from_gguf(cls, reader: Any, encoder: bool = False) -> Tokenizer:
         """The tokenizer a GGUF file's metadata describes (``reader``: a `gguf.GGUFReader`).
 
         Byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``: GPT-2, Llama 3,
-        Qwen, SmolLM...), BERT's WordPiece ones (``"bert"``) and sentencepiece Unigram ones
-        (``"t5"``, XLM-RoBERTa's) are supported; others raise ValueError. Control tokens
-        (type 3) become special tokens, user-defined ones (type 4) plain added tokens.
+        Qwen, SmolLM, RoBERTa...), BERT's WordPiece ones (``"bert"``) and sentencepiece
+        Unigram ones (``"t5"``, XLM-RoBERTa's) are supported; others raise ValueError.
+        Control tokens (type 3) become special tokens, user-defined ones (type 4) plain
+        added tokens. WordPiece and Unigram vocabularies, and any with ``encoder`` (the
+        file is an encoder's), get an encoder's special tokens around a text and a pair
+        (`_gguf_encoder`); a decoder's BPE its BOS and EOS where the file adds them.
         """
         def field(key: str, default: Any = None) -> Any:
             f = reader.fields.get(key)
@@ -223,14 +226,17 @@ class Tokenizer:
         tokens = field("tokenizer.ggml.tokens")
         types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
         if kind == "bert":
-            return cls._from_gguf_wordpiece(tokens, types, field)
-        if kind == "t5":
-            return cls._from_gguf_unigram(tokens, types, field)
-        if kind != "gpt2":
+            backend = _gguf_wordpiece(tokens, types, field)
+        elif kind == "t5":
+            backend = _gguf_unigram(tokens, types, field)
+        elif kind == "gpt2":
+            backend = _gguf_bpe(tokens, types, field("tokenizer.ggml.merges") or [],
+                                field("tokenizer.ggml.pre", "default"))
+        else:
             raise ValueError(f"GGUF tokenizer.ggml.model {kind!r} is not supported "
                              "(byte-level BPE, 'gpt2'; WordPiece, 'bert'; Unigram, 't5')")
-        backend = _gguf_bpe(tokens, types, field("tokenizer.ggml.merges") or [],
-                            field("tokenizer.ggml.pre", "default"))
+        if encoder or kind != "gpt2":
+            return cls._gguf_encoder(backend, tokens, types, field)
         ids = {name: field(f"tokenizer.ggml.{key}_token_id") for name, key in
                (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding"))}
         special = {name: tokens[i] if i is not None and i < len(tokens) else None for name, i in ids.items()}
@@ -242,53 +248,6 @@ class Tokenizer:
         return cls(backend, special_tokens=special, eos_token_ids=eos_ids,
                    chat_template=field("tokenizer.chat_template"),
                    add_bos_token=add_bos and special["bos_token"] is not None)
-
-    @classmethod
-    def _from_gguf_wordpiece(cls, tokens: list[str], types: list[int], field) -> Tokenizer:
-        """A BERT WordPiece vocabulary as llama.cpp's converter stores it: a word's first
-        piece with a leading ``▁``, continuations bare (``##`` dropped), control tokens
-        as written. Tokenizes as BERT's own tokenizer does (its normalizer, lowercasing
-        and stripping accents where ``normalizer.lowercase`` says so, or in older files
-        when no ordinary token has a capital, as uncased vocabularies have none)."""
-        vocab: dict[str, int] = {}
-        for i, (tok, kind) in enumerate(zip(tokens, types, strict=True)):
-            piece = tok if kind == 3 else tok[1:] if tok.startswith("\u2581") else "##" + tok
-            vocab.setdefault(piece, i)
-        uncased = field("tokenizer.ggml.normalizer.lowercase")
-        if uncased is None:  # older files: an uncased vocabulary has no capitals
-            uncased = not any(c.isupper() for t, k in zip(tokens, types) if k == 1 for c in t)
-        unk = _gguf_token(tokens, field, "unknown")
-        backend = tokenizers.Tokenizer(tokenizers.models.WordPiece(
-            vocab, unk_token=unk or "[UNK]", max_input_chars_per_word=100))
-        backend.normalizer = tokenizers.normalizers.BertNormalizer(
-            clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=uncased)
-        backend.pre_tokenizer = tokenizers.pre_tokenizers.BertPreTokenizer()
-        backend.decoder = tokenizers.decoders.WordPiece()
-        return cls._gguf_encoder(backend, tokens, types, field)
-
-    @classmethod
-    def _from_gguf_unigram(cls, tokens: list[str], types: list[int], field) -> Tokenizer:
-        """A sentencepiece Unigram vocabulary (``tokenizer.ggml.model == "t5"``, as
-        llama.cpp's converter writes XLM-RoBERTa's) with its scores, tokenized as
-        transformers' XLM-RoBERTa tokenizer does: the file's precompiled normalization
-        map, whitespace runs removed (``remove_extra_whitespaces``), every word marked
-        with ``▁`` (``add_space_prefix``)."""
-        charsmap = field("tokenizer.ggml.precompiled_charsmap")
-        backend = tokenizers.Tokenizer(tokenizers.models.Unigram(
-            list(zip(tokens, field("tokenizer.ggml.scores"))),
-            unk_id=field("tokenizer.ggml.unknown_token_id"), byte_fallback=False))
-        if charsmap:
-            backend.normalizer = tokenizers.normalizers.Precompiled(
-                bytes(b & 0xFF for b in charsmap))
-        prepend = "always" if field("tokenizer.ggml.add_space_prefix", True) else "never"
-        words = tokenizers.pre_tokenizers.Metaspace(prepend_scheme=prepend)
-        backend.pre_tokenizer = (tokenizers.pre_tokenizers.Sequence(
-            [tokenizers.pre_tokenizers.WhitespaceSplit(), words])
-            if field("tokenizer.ggml.remove_extra_whitespaces", True) else words)
-        backend.decoder = tokenizers.decoders.Metaspace(prepend_scheme=prepend)
-        backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                            for t, k in zip(tokens, types) if k == 4])
-        return cls._gguf_encoder(backend, tokens, types, field)
 
     @classmethod
     def _gguf_encoder(cls, backend: tokenizers.Tokenizer, tokens: list[str], types: list[int],
@@ -319,6 +278,51 @@ class Tokenizer:
                 special_tokens=[(t, backend.token_to_id(t)) for t in {*first, *last, *between}])
         return cls(backend, special_tokens={"unk_token": _gguf_token(tokens, field, "unknown"),
                                             "pad_token": _gguf_token(tokens, field, "padding")})
+
+
+def _gguf_wordpiece(tokens: list[str], types: list[int], field) -> tokenizers.Tokenizer:
+    """A BERT WordPiece vocabulary as llama.cpp's converter stores it: a word's first piece
+    with a leading ``▁``, continuations bare (``##`` dropped), control tokens as written.
+    Tokenizes as BERT's own tokenizer does (its normalizer, lowercasing and stripping accents
+    where ``normalizer.lowercase`` says so, or in older files when no ordinary token has a
+    capital, as uncased vocabularies have none)."""
+    vocab: dict[str, int] = {}
+    for i, (tok, kind) in enumerate(zip(tokens, types, strict=True)):
+        piece = tok if kind == 3 else tok[1:] if tok.startswith("\u2581") else "##" + tok
+        vocab.setdefault(piece, i)
+    uncased = field("tokenizer.ggml.normalizer.lowercase")
+    if uncased is None:  # older files: an uncased vocabulary has no capitals
+        uncased = not any(c.isupper() for t, k in zip(tokens, types) if k == 1 for c in t)
+    unk = _gguf_token(tokens, field, "unknown")
+    backend = tokenizers.Tokenizer(tokenizers.models.WordPiece(
+        vocab, unk_token=unk or "[UNK]", max_input_chars_per_word=100))
+    backend.normalizer = tokenizers.normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=uncased)
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.BertPreTokenizer()
+    backend.decoder = tokenizers.decoders.WordPiece()
+    return backend
+
+
+def _gguf_unigram(tokens: list[str], types: list[int], field) -> tokenizers.Tokenizer:
+    """A sentencepiece Unigram vocabulary (``tokenizer.ggml.model == "t5"``, as llama.cpp's
+    converter writes XLM-RoBERTa's) with its scores, tokenized as transformers' XLM-RoBERTa
+    tokenizer does: the file's precompiled normalization map, whitespace runs removed
+    (``remove_extra_whitespaces``), every word marked with ``▁`` (``add_space_prefix``)."""
+    charsmap = field("tokenizer.ggml.precompiled_charsmap")
+    backend = tokenizers.Tokenizer(tokenizers.models.Unigram(
+        list(zip(tokens, field("tokenizer.ggml.scores"))),
+        unk_id=field("tokenizer.ggml.unknown_token_id"), byte_fallback=False))
+    if charsmap:
+        backend.normalizer = tokenizers.normalizers.Precompiled(bytes(b & 0xFF for b in charsmap))
+    prepend = "always" if field("tokenizer.ggml.add_space_prefix", True) else "never"
+    words = tokenizers.pre_tokenizers.Metaspace(prepend_scheme=prepend)
+    backend.pre_tokenizer = (tokenizers.pre_tokenizers.Sequence(
+        [tokenizers.pre_tokenizers.WhitespaceSplit(), words])
+        if field("tokenizer.ggml.remove_extra_whitespaces", True) else words)
+    backend.decoder = tokenizers.decoders.Metaspace(prepend_scheme=prepend)
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, k in zip(tokens, types) if k == 4])
+    return backend
 
 
 def _gguf_token(tokens: list[str], field, key: str) -> str | None:

@@ -59,11 +59,13 @@ def _encoder_writer(path, config: dict, pooling: int | None, context: int,
 
 
 def _finish(writer, hf_dir, config: dict, state: dict[str, torch.Tensor],
-            arch=gguf.MODEL_ARCH.BERT, qtype: Q = Q.F32, position_offset: int = 0) -> None:
-    """gguf-py's special tokens, then the tensors of ``state`` under gguf-py's names for
-    them (the pooler dropped and RoBERTa's position rows shifted to start at 0, as the
-    converter does); 2-D weights in ``qtype``."""
-    gguf.SpecialVocab(hf_dir, n_vocab=config["vocab_size"]).add_to_gguf(writer)
+            arch=gguf.MODEL_ARCH.BERT, qtype: Q = Q.F32, position_offset: int = 0,
+            merges: bool = False) -> None:
+    """gguf-py's special tokens (and a BPE vocabulary's ``merges``), then the tensors of
+    ``state`` under gguf-py's names for them (the pooler dropped and RoBERTa's position
+    rows shifted to start at 0, as the converter does); 2-D weights in ``qtype``."""
+    gguf.SpecialVocab(hf_dir, load_merges=merges, n_vocab=config["vocab_size"]).add_to_gguf(
+        writer)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     for name, tensor in state.items():
         if name.startswith("pooler.") or name.endswith("_ids"):  # the converter drops these
@@ -128,6 +130,27 @@ def write_nomic_gguf(model, own_dir, path, pooling: int = gguf.PoolingType.MEAN)
     _wordpiece_vocab(writer, own_dir, config["vocab_size"], True)
     _finish(writer, own_dir, config, safetensors.torch.load_file(own_dir / "model.safetensors"),
             gguf.MODEL_ARCH.NOMIC_BERT)
+
+
+def write_roberta_gguf(hf_dir, path) -> None:
+    """``hf_dir``'s RobertaModel as llama.cpp's converter writes one with a byte-level BPE
+    ``tokenizer.json`` (`_set_vocab_gpt2`): the vocabulary in id order, special tokens as
+    control ones, the merges, its type count."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    offset = config["pad_token_id"] + 1
+    writer = _encoder_writer(path, config, gguf.PoolingType.MEAN,
+                             config["max_position_embeddings"] - offset)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    by_id = {i: t for t, i in tokenizer.get_vocab().items()}
+    control = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([by_id.get(i, f"[PAD{i}]") for i in range(config["vocab_size"])])
+    writer.add_token_types([gguf.TokenType.CONTROL if i in control else gguf.TokenType.NORMAL
+                            if i in by_id else gguf.TokenType.UNUSED
+                            for i in range(config["vocab_size"])])
+    model = transformers.RobertaModel.from_pretrained(hf_dir).eval()
+    _finish(writer, hf_dir, config, model.state_dict(), position_offset=offset, merges=True)
 
 
 def write_xlm_roberta_gguf(hf_dir, path, pooling: int | None = gguf.PoolingType.MEAN) -> None:
@@ -458,3 +481,25 @@ def test_a_bert_classifier_file_without_its_pooler_is_refused(tmp_path):
     _finish(writer, tmp_path, config, state)
     with pytest.raises(ValueError, match="BERT's pooler"):
         make_engine(tmp_path / "cls.gguf")
+
+
+def test_a_roberta_file_with_a_bpe_vocabulary_embeds_as_transformers(tmp_path):
+    """RoBERTa's byte-level BPE (``tokenizer.ggml.model`` "gpt2", as the converter writes
+    RoBERTa checkpoints with a ``tokenizer.json``): ``<s>`` ... ``</s>`` around a text,
+    ``</s></s>`` between a pair's texts; positions from 0."""
+    build_tiny_encoder("roberta", tmp_path)
+    # a file does not say its activation: BERT's and RoBERTa's checkpoints use exact GELU
+    # (the tiny one's tanh approximation is for the HF tests)
+    model = transformers.RobertaModel.from_pretrained(tmp_path, hidden_act="gelu").eval()
+    write_roberta_gguf(tmp_path, tmp_path / "roberta.gguf")
+    engine = make_engine(tmp_path / "roberta.gguf")
+    theirs = AutoTokenizer.from_pretrained(tmp_path)
+    for text, vector in zip(TEXTS, engine.embed(TEXTS)):
+        ids = theirs(text)["input_ids"]
+        assert engine.tokenizer.encode(text) == ids, text
+        assert engine.tokenizer.encode_pair(text, TEXTS[0])[0] == theirs(text, TEXTS[0])[
+            "input_ids"]
+        with torch.no_grad():
+            hidden = model(torch.tensor([ids])).last_hidden_state[0]
+        torch.testing.assert_close(vector, F.normalize(hidden.mean(0), dim=-1),
+                                   atol=1e-5, rtol=1e-5)

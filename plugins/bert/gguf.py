@@ -2,14 +2,15 @@
 converter writes bge, e5, all-MiniLM, mxbai-embed and snowflake-arctic-embed, and
 XLM-RoBERTa's bge-m3 and multilingual-e5; ``nomic-bert``, nomic-embed-text v1 and v1.5):
 an HF-style config, the tensors under their transformers names (dequantized to float32)
-and the tokenizer (BERT's WordPiece or XLM-RoBERTa's Unigram vocabulary:
-`Tokenizer.from_gguf`).
+and the tokenizer (BERT's WordPiece, XLM-RoBERTa's Unigram or RoBERTa's byte-level BPE
+vocabulary: `Tokenizer.from_gguf`).
 
-llama.cpp's converter writes XLM-RoBERTa checkpoints as ``bert`` too, with their position
-rows already shifted to start at 0, so every file reads as a `BertModel`; a sequence
+llama.cpp's converter writes RoBERTa and XLM-RoBERTa checkpoints as ``bert`` too, with their
+position rows already shifted to start at 0, so every file reads as a `BertModel`; a sequence
 classifier (``cls.*`` tensors: XLM-RoBERTa's rerankers, bge-reranker-v2-m3) as a
 `BertForSequenceClassification`, whose pooler and classifier compute RoBERTa's head. BERT's
-own classifiers lose their pooler in the converter and are refused.
+own classifiers lose their pooler in the converter and are refused. A file does not say
+its activation: BERT-style layers compute exact GELU, as their checkpoints do.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def load_bert_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
     """(config, tensors, tokenizer) of the GGUF file at ``path``: ``config`` reads like a
     `BertModel`'s or `NomicBertModel`'s ``config.json``, ``tensors`` are float32 under
     the bare model's names (NomicBERT's q, k and v fused). ValueError for another
-    architecture, a classifier without its dense layer or another kind of vocabulary."""
+    architecture, a classifier without its dense layer or a vocabulary heron does not
+    read."""
     reader = read_gguf(path)
 
     def field(key: str, default: Any = None) -> Any:
@@ -78,10 +80,6 @@ def load_bert_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
     if (arch := field("general.architecture")) not in _ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not an encoder the bert family "
                          f"reads ({', '.join(_ARCHS)})")
-    if (kind := field("tokenizer.ggml.model")) not in ("bert", "t5"):
-        raise ValueError(f"{Path(path).name}: tokenizer.ggml.model {kind!r}; the bert family "
-                         "reads WordPiece ('bert', BERT's) and Unigram ('t5', XLM-RoBERTa's) "
-                         "vocabularies from GGUF files")
     tensors = {_hf_name(t.name, arch): torch.from_numpy(dequantize_tensor(t))
                for t in reader.tensors}
     classifier = "classifier.weight" in tensors
@@ -111,4 +109,4 @@ def load_bert_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
     if types is None:  # a file without the type rows: every token is type 0 (none added)
         tensors["embeddings.token_type_embeddings.weight"] = torch.zeros(1, words.shape[1])
         config["type_vocab_size"] = 1
-    return config, tensors, Tokenizer.from_gguf(reader)
+    return config, tensors, Tokenizer.from_gguf(reader, encoder=True)
