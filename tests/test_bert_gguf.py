@@ -67,7 +67,7 @@ def _finish(writer, hf_dir, config: dict, state: dict[str, torch.Tensor],
     gguf.SpecialVocab(hf_dir, load_merges=merges, n_vocab=config["vocab_size"]).add_to_gguf(
         writer)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
-    for name, tensor in state.items():
+    for name, tensor in sorted(state.items()):  # as safetensors files keep them
         if name.startswith("pooler.") or name.endswith("_ids"):  # the converter drops these
             continue
         array = tensor.numpy()
@@ -306,6 +306,7 @@ def test_embeddings_match_transformers(bert, qtype, tmp_path):
     engine = make_engine(path, **{"engine.max_num_batched_tokens": 64})  # model.task "auto"
     assert engine.pooler.pooling.method == "cls" and engine.pooler.pooling.normalize
     assert engine.runner.num_token_types == 2
+    assert engine.runner.info.vocab_size == ENCODER_COMMON["vocab_size"]
     for vector, expected in zip(engine.embed(TEXTS), expected_vectors(model, hf_dir, TEXTS)):
         assert vector.shape == (ENCODER_COMMON["hidden_size"],)
         torch.testing.assert_close(vector, expected, atol=1e-5, rtol=1e-5)
@@ -503,3 +504,74 @@ def test_a_roberta_file_with_a_bpe_vocabulary_embeds_as_transformers(tmp_path):
             hidden = model(torch.tensor([ids])).last_hidden_state[0]
         torch.testing.assert_close(vector, F.normalize(hidden.mean(0), dim=-1),
                                    atol=1e-5, rtol=1e-5)
+
+
+def write_modernbert_gguf(model, hf_dir, path) -> None:
+    """``model`` (a transformers ModernBertModel or classifier, its tokenizer a byte-level
+    BPE in ``hf_dir``) as llama.cpp's converter writes it: architecture ``modern-bert``,
+    both rope bases, the sliding window and its pattern, the activation."""
+    c = model.config
+    writer = gguf.GGUFWriter(str(path), "modern-bert")
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    writer.add_float32("modern-bert.rope.freq_base_swa",
+                       c.rope_parameters["sliding_attention"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.norm_eps)
+    writer.add_causal_attention(False)
+    writer.add_uint32("modern-bert.classifier.pooling_type",
+                      {"cls": gguf.PoolingType.CLS, "mean": gguf.PoolingType.MEAN}[
+                          c.classifier_pooling])
+    writer.add_sliding_window(c.local_attention)
+    writer.add_uint32("modern-bert.attention.sliding_window_pattern",
+                      c.global_attn_every_n_layers)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_string("modern-bert.hidden_activation", c.hidden_activation)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    by_id = {i: t for t, i in tokenizer.get_vocab().items()}
+    control = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([by_id.get(i, f"[PAD{i}]") for i in range(c.vocab_size)])
+    writer.add_token_types([gguf.TokenType.CONTROL if i in control else gguf.TokenType.NORMAL
+                            if i in by_id else gguf.TokenType.UNUSED
+                            for i in range(c.vocab_size)])
+    if c.architectures and c.architectures[0].endswith("ForSequenceClassification"):
+        writer.add_classifier_output_labels([c.id2label[i] for i in range(c.num_labels)])
+    state = {n.removeprefix("model.").replace("classifier.", "classifier.out_proj."): t
+             for n, t in model.state_dict().items()}
+    _finish(writer, hf_dir, {"vocab_size": c.vocab_size,
+                             "num_hidden_layers": c.num_hidden_layers}, state,
+            gguf.MODEL_ARCH.MODERN_BERT, merges=True)
+
+
+@pytest.mark.parametrize("kind", ["modernbert", "modernbert-cls"])
+def test_a_modernbert_file_embeds_and_classifies_as_transformers(kind, tmp_path):
+    """ModernBERT's files (``modern-bert``): global and sliding-window layers with their
+    own rope bases, the GeGLU FFN, the final norm; a classifier's head (dense, GELU, norm,
+    labels' rows) pooling as the file says."""
+    from tests.tiny_models import save_encoder_tokenizer
+    model = build_tiny_encoder(kind, tmp_path)
+    save_encoder_tokenizer(tmp_path, roberta=True)  # ModernBERT's own is a byte-level BPE
+    model.config.architectures = [type(model).__name__]
+    # named labels: llama.cpp's converter takes a ModernBERT classifier only with them
+    model.config.id2label = {0: "irrelevant", 1: "relevant"}
+    write_modernbert_gguf(model, tmp_path, tmp_path / "modernbert.gguf")
+    engine = make_engine(tmp_path / "modernbert.gguf")
+    if kind == "modernbert-cls":
+        assert engine.pooler.pooling.labels == ("irrelevant", "relevant")
+        assert engine.runner.default_pooling == "mean"  # the file's classifier pooling
+    theirs = AutoTokenizer.from_pretrained(tmp_path)
+    texts = TEXTS + [" ".join(TEXTS)]  # past the local layers' window
+    for text, vector in zip(texts, engine.embed(texts)):
+        inputs = theirs(text, return_tensors="pt")
+        assert engine.tokenizer.encode(text) == inputs["input_ids"][0].tolist()
+        with torch.no_grad():
+            if kind == "modernbert":
+                hidden = model(**inputs).last_hidden_state[0]
+                expected = F.normalize(hidden[0], dim=-1)
+            else:
+                expected = model(**inputs).logits[0].softmax(-1)
+        torch.testing.assert_close(vector, expected, atol=1e-5, rtol=1e-5)

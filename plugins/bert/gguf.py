@@ -1,6 +1,6 @@
-"""Reads a BERT-style encoder from a llama.cpp GGUF file (architecture ``bert``, as its
-converter writes bge, e5, all-MiniLM, mxbai-embed and snowflake-arctic-embed, and
-XLM-RoBERTa's bge-m3 and multilingual-e5; ``nomic-bert``, nomic-embed-text v1 and v1.5):
+"""Reads an encoder from a llama.cpp GGUF file (architecture ``bert``, as its converter
+writes bge, e5, all-MiniLM, mxbai-embed and snowflake-arctic-embed, and XLM-RoBERTa's bge-m3
+and multilingual-e5; ``nomic-bert``, nomic-embed-text v1 and v1.5; ``modern-bert``):
 an HF-style config, the tensors under their transformers names (dequantized to float32)
 and the tokenizer (BERT's WordPiece, XLM-RoBERTa's Unigram or RoBERTa's byte-level BPE
 vocabulary: `Tokenizer.from_gguf`).
@@ -25,7 +25,8 @@ from heron.core import Tokenizer
 from heron.core.model_loader import read_gguf
 from heron.plugins.transformer.gguf_loader import dequantize_tensor
 
-_GLOBAL_NAMES = {
+# BERT's and NomicBERT's tensors outside their layers
+_BERT_NAMES = {
     "token_embd.weight": "embeddings.word_embeddings.weight",
     "position_embd.weight": "embeddings.position_embeddings.weight",
     "token_types.weight": "embeddings.token_type_embeddings.weight",
@@ -36,28 +37,44 @@ _GLOBAL_NAMES = {
     "cls.weight": "pooler.dense.weight", "cls.bias": "pooler.dense.bias",
     "cls.output.weight": "classifier.weight", "cls.output.bias": "classifier.bias",
 }
-# general.architecture -> (HF architecture, a layer's tensors' names, their prefix)
+_MODERNBERT_NAMES = {
+    "token_embd.weight": "embeddings.tok_embeddings.weight",
+    "token_embd_norm.weight": "embeddings.norm.weight",
+    "token_embd_norm.bias": "embeddings.norm.bias",
+    "output_norm.weight": "final_norm.weight", "output_norm.bias": "final_norm.bias",
+    "cls.weight": "head.dense.weight", "cls.bias": "head.dense.bias",
+    "cls.norm.weight": "head.norm.weight", "cls.norm.bias": "head.norm.bias",
+    "cls.output.weight": "classifier.weight", "cls.output.bias": "classifier.bias",
+}
+# general.architecture -> (HF architecture, the tensors outside its layers, a layer's
+# tensors, their prefix)
 _ARCHS = {
-    "bert": ("BertModel", {
+    "bert": ("BertModel", _BERT_NAMES, {
         "attn_q": "attention.self.query", "attn_k": "attention.self.key",
         "attn_v": "attention.self.value", "attn_output": "attention.output.dense",
         "attn_output_norm": "attention.output.LayerNorm", "ffn_up": "intermediate.dense",
         "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm"},
         "encoder.layer"),
-    "nomic-bert": ("NomicBertModel", {
+    "nomic-bert": ("NomicBertModel", _BERT_NAMES, {
         "attn_qkv": "self_attn.qkv", "attn_output": "self_attn.o_proj",
         "attn_output_norm": "post_attention_layernorm", "ffn_up": "mlp.up_proj",
         "ffn_gate": "mlp.gate_proj", "ffn_down": "mlp.down_proj",
         "layer_output_norm": "post_mlp_layernorm"},
         "layers"),
+    "modern-bert": ("ModernBertModel", _MODERNBERT_NAMES, {
+        "attn_norm": "attn_norm", "attn_qkv": "attn.Wqkv", "attn_output": "attn.Wo",
+        "ffn_norm": "mlp_norm", "ffn_up": "mlp.Wi", "ffn_down": "mlp.Wo"},
+        "layers"),
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# llama.cpp's pooling types a ModernBERT classifier pools with
+_CLASSIFIER_POOLING = {1: "mean", 2: "cls"}
 
 
 def _hf_name(name: str, arch: str) -> str:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    _, layer_names, prefix = _ARCHS[arch]
+    _, outer, layer_names, prefix = _ARCHS[arch]
+    if name in outer:
+        return outer[name]
     m = _LAYER_RE.fullmatch(name)
     if m is None or m.group(2) not in layer_names:
         raise ValueError(f"GGUF tensor {name!r} is not part of a {arch} encoder heron reads")
@@ -67,10 +84,10 @@ def _hf_name(name: str, arch: str) -> str:
 def load_bert_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor],
                                               Tokenizer]:
     """(config, tensors, tokenizer) of the GGUF file at ``path``: ``config`` reads like a
-    `BertModel`'s or `NomicBertModel`'s ``config.json``, ``tensors`` are float32 under
-    the bare model's names (NomicBERT's q, k and v fused). ValueError for another
-    architecture, a classifier without its dense layer or a vocabulary heron does not
-    read."""
+    `BertModel`'s, `NomicBertModel`'s or `ModernBertModel`'s ``config.json`` (or their
+    classifiers'), ``tensors`` are float32 under the model's names (NomicBERT's q, k and v
+    fused). ValueError for another architecture, a BERT classifier without its dense
+    layer or a vocabulary heron does not read."""
     reader = read_gguf(path)
 
     def field(key: str, default: Any = None) -> Any:
@@ -83,30 +100,40 @@ def load_bert_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
     tensors = {_hf_name(t.name, arch): torch.from_numpy(dequantize_tensor(t))
                for t in reader.tensors}
     classifier = "classifier.weight" in tensors
-    if classifier and "pooler.dense.weight" not in tensors:
+    if classifier and arch != "modern-bert" and "pooler.dense.weight" not in tensors:
         raise ValueError(f"{Path(path).name}: a classifier without the dense layer before its "
                          "labels' rows (llama.cpp's converter drops BERT's pooler); serve "
                          "the HF checkpoint")
-    words = tensors["embeddings.word_embeddings.weight"]
-    types = tensors.get("embeddings.token_type_embeddings.weight")
-    positions = tensors.get("embeddings.position_embeddings.weight")
+    hf_arch = _ARCHS[arch][0]
     config = {
-        "architectures": [_ARCHS[arch][0].replace("Model", "ForSequenceClassification")
-                          if classifier else _ARCHS[arch][0]],
-        "vocab_size": words.shape[0],
+        "architectures": [hf_arch.replace("Model", "ForSequenceClassification")
+                          if classifier else hf_arch],
+        "vocab_size": tensors[_ARCHS[arch][1]["token_embd.weight"]].shape[0],
         "hidden_size": field(f"{arch}.embedding_length"),
         "intermediate_size": field(f"{arch}.feed_forward_length"),
         "num_hidden_layers": field(f"{arch}.block_count"),
         "num_attention_heads": field(f"{arch}.attention.head_count"),
-        "layer_norm_eps": float(field(f"{arch}.attention.layer_norm_epsilon", 1e-12)),
-        "max_position_embeddings": (field(f"{arch}.context_length") if positions is None
-                                    else positions.shape[0]),
-        "type_vocab_size": 0 if types is None else types.shape[0],
+        "max_position_embeddings": field(f"{arch}.context_length"),
         "pad_token_id": field("tokenizer.ggml.padding_token_id", 0),
-        "rope_parameters": {"rope_type": "default",
-                            "rope_theta": float(field(f"{arch}.rope.freq_base", 1000.0))},
     }
-    if types is None:  # a file without the type rows: every token is type 0 (none added)
-        tensors["embeddings.token_type_embeddings.weight"] = torch.zeros(1, words.shape[1])
-        config["type_vocab_size"] = 1
+    if arch == "modern-bert":
+        config.update(
+            norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            local_attention=field(f"{arch}.attention.sliding_window"),
+            global_attn_every_n_layers=field(f"{arch}.attention.sliding_window_pattern", 3),
+            global_rope_theta=float(field(f"{arch}.rope.freq_base", 160000.0)),
+            local_rope_theta=float(field(f"{arch}.rope.freq_base_swa", 10000.0)),
+            hidden_activation=field(f"{arch}.hidden_activation", "gelu"),
+            classifier_pooling=_CLASSIFIER_POOLING.get(
+                field(f"{arch}.classifier.pooling_type"), "cls"))
+    else:
+        types = tensors.get("embeddings.token_type_embeddings.weight")
+        positions = tensors.get("embeddings.position_embeddings.weight")
+        config.update(
+            layer_norm_eps=float(field(f"{arch}.attention.layer_norm_epsilon", 1e-12)),
+            type_vocab_size=0 if types is None else types.shape[0],
+            rope_parameters={"rope_type": "default",
+                             "rope_theta": float(field(f"{arch}.rope.freq_base", 1000.0))})
+        if positions is not None:
+            config["max_position_embeddings"] = positions.shape[0]
     return config, tensors, Tokenizer.from_gguf(reader, encoder=True)
