@@ -119,7 +119,7 @@ def load_bert_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
     if arch == "modern-bert":
         config.update(
             norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-            local_attention=field(f"{arch}.attention.sliding_window"),
+            local_attention=field(f"{arch}.attention.sliding_window", 128),
             global_attn_every_n_layers=field(f"{arch}.attention.sliding_window_pattern", 3),
             global_rope_theta=float(field(f"{arch}.rope.freq_base", 160000.0)),
             local_rope_theta=float(field(f"{arch}.rope.freq_base_swa", 10000.0)),
