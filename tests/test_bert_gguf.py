@@ -1,15 +1,17 @@
-"""BERT encoders from llama.cpp GGUF files: tokenization against transformers' tokenizer,
-embeddings against transformers' `BertModel` on the checkpoint the file was written from.
+"""Encoders from llama.cpp GGUF files (BERT, DistilBERT, RoBERTa, XLM-RoBERTa, NomicBERT,
+ModernBERT; embedders and cross-encoders): tokenization against transformers' tokenizer,
+vectors and scores against transformers' model of the checkpoint the file was written from.
 
-The files are written the way llama.cpp's converter (`convert_hf_to_gguf.py`, BertModel)
-writes them: its metadata keys, its vocabulary forms (BERT's WordPiece: a word's first
-piece with a leading ``▁``, continuations without ``##``, control tokens as they are;
-XLM-RoBERTa's sentencepiece Unigram: fairseq's order, scores, normalizer settings),
-gguf-py's `SpecialVocab` for the special tokens and gguf-py's tensor name map for the
-names. Run beside llama.cpp's own converter on the same checkpoints, these writers gave
+The files are written the way llama.cpp's converter (`convert_hf_to_gguf.py`) writes them:
+its metadata keys, its vocabulary forms (BERT's WordPiece: a word's first piece with a
+leading ``▁``, continuations without ``##``, control tokens as they are; XLM-RoBERTa's
+sentencepiece Unigram: fairseq's order, scores, normalizer settings; byte-level BPE with its
+merges), gguf-py's `SpecialVocab` for the special tokens and gguf-py's tensor name map for
+the names. Run beside llama.cpp's own converter on the same checkpoints, these writers gave
 the same value for every key both wrote and bit-identical tensors (the converter adds
-``tokenizer.ggml.pre``, which heron does not read for these vocabularies, and newer ones
-``normalizer.lowercase``, which the tests write too).
+``tokenizer.ggml.pre``, which heron does not read for these vocabularies, newer ones
+``normalizer.lowercase``, which the tests write too, and ModernBERT's ``rope.scaling.type``
+none).
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ Q = gguf.GGMLQuantizationType
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Caf\u00e9 NA\u00cfVE d\u00e9j\u00e0 vu!",
          "\u65e5\u672c\u8a9e and emoji \U0001f680, [SEP] spelled out", "def add(a, b): return a+b",
          "zyzzyva qwxp unseenword", "  spaced\tout\n\nlines  "]
+# and what XLM-RoBERTa's NFKC map and literal special tokens change
+XLMR_TEXTS = TEXTS + ["\uff46\uff55\uff4c\uff4c\uff57\uff49\uff44\uff54\uff48  "
+                      "\u2460 \ufb01ne \u216b", "<s> literal </s> and <unk>"]
 
 
 def _encoder_writer(path, config: dict, pooling: int | None, context: int,
@@ -200,8 +205,7 @@ def build_xlm_roberta(directory, kind: str = "xlm-roberta"):
     import sentencepiece as spm
 
     from tests.nllb_models import corpus
-    lines = corpus() + CORPUS * 5 + TEXTS * 5 + ["\uff46\uff55\uff4c\uff4c\uff57\uff49\uff44\uff54\uff48 "
-                                                  "\u2460 \ufb01ne \u216b"] * 5
+    lines = corpus() + (CORPUS + TEXTS + [XLMR_TEXTS[-2]]) * 5
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model,
                                    vocab_size=200, model_type="unigram", minloglevel=2,
@@ -260,8 +264,7 @@ def test_the_wordpiece_vocabulary_tokenizes_as_transformers(bert, lowercase, tmp
 def test_a_cased_vocabulary_keeps_capitals_and_accents(tmp_path):
     """A vocabulary with capitals is a cased model's: no lowercasing, no accent stripping
     (bert-base-cased's tokenizer); an uncased one has none."""
-    model = build_tiny_encoder("bert", tmp_path)
-    del model
+    build_tiny_encoder("bert", tmp_path)  # its tokenizer replaced below
     tok = HFTokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=False)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -353,10 +356,6 @@ def test_the_server_embeds_from_the_file(bert):
         tokens = AutoTokenizer.from_pretrained(hf_dir)(TEXTS)["input_ids"]
         assert reply.usage.prompt_tokens == sum(map(len, tokens))
 
-
-
-XLMR_TEXTS = TEXTS + ["\uff46\uff55\uff4c\uff4c\uff57\uff49\uff44\uff54\uff48  \u2460 \ufb01ne \u216b",
-                      "<s> literal </s> and <unk>"]
 
 
 def test_an_xlm_roberta_file_tokenizes_and_embeds_as_transformers(tmp_path):

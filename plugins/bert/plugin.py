@@ -10,4 +10,5 @@ from heron.plugins.bert.config import ARCHITECTURES
 @hookimpl
 def heron_register_families(register):
     register(FamilySpec(name="bert", loader="heron.plugins.bert.loader:load",
-                        architectures=ARCHITECTURES, gguf_architectures=("bert", "nomic-bert", "modern-bert")))
+                        architectures=ARCHITECTURES,
+                        gguf_architectures=("bert", "nomic-bert", "modern-bert")))
