@@ -15,7 +15,6 @@ its activation: BERT-style layers compute exact GELU, as their checkpoints do.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch
 
 from heron.core import Tokenizer
 from heron.core.model_loader import read_gguf
-from heron.plugins.transformer.gguf_loader import dequantize_tensor
+from heron.plugins.transformer.gguf_loader import dequantize_tensor, hf_name
 
 # BERT's and NomicBERT's tensors outside their layers
 _BERT_NAMES = {
@@ -66,19 +65,8 @@ _ARCHS = {
         "ffn_norm": "mlp_norm", "ffn_up": "mlp.Wi", "ffn_down": "mlp.Wo"},
         "layers"),
 }
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp's pooling types a ModernBERT classifier pools with
 _CLASSIFIER_POOLING = {1: "mean", 2: "cls"}
-
-
-def _hf_name(name: str, arch: str) -> str:
-    _, outer, layer_names, prefix = _ARCHS[arch]
-    if name in outer:
-        return outer[name]
-    m = _LAYER_RE.fullmatch(name)
-    if m is None or m.group(2) not in layer_names:
-        raise ValueError(f"GGUF tensor {name!r} is not part of a {arch} encoder heron reads")
-    return f"{prefix}.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
 
 
 def load_bert_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor],
@@ -97,18 +85,18 @@ def load_bert_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
     if (arch := field("general.architecture")) not in _ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not an encoder the bert family "
                          f"reads ({', '.join(_ARCHS)})")
-    tensors = {_hf_name(t.name, arch): torch.from_numpy(dequantize_tensor(t))
+    hf_arch, outer, layer_names, prefix = _ARCHS[arch]
+    tensors = {hf_name(t.name, outer, layer_names, prefix): torch.from_numpy(dequantize_tensor(t))
                for t in reader.tensors}
     classifier = "classifier.weight" in tensors
     if classifier and arch != "modern-bert" and "pooler.dense.weight" not in tensors:
         raise ValueError(f"{Path(path).name}: a classifier without the dense layer before its "
                          "labels' rows (llama.cpp's converter drops BERT's pooler); serve "
                          "the HF checkpoint")
-    hf_arch = _ARCHS[arch][0]
     config = {
         "architectures": [hf_arch.replace("Model", "ForSequenceClassification")
                           if classifier else hf_arch],
-        "vocab_size": tensors[_ARCHS[arch][1]["token_embd.weight"]].shape[0],
+        "vocab_size": tensors[outer["token_embd.weight"]].shape[0],
         "hidden_size": field(f"{arch}.embedding_length"),
         "intermediate_size": field(f"{arch}.feed_forward_length"),
         "num_hidden_layers": field(f"{arch}.block_count"),

@@ -40,7 +40,7 @@ from heron.core.model_loader import read_gguf
 from heron.core.ops.quantized import QuantizedWeight, kernel_available
 from heron.core.tokenizer import Tokenizer
 
-__all__ = ["dequantize_tensor", "gguf_config", "load_gguf"]
+__all__ = ["dequantize_tensor", "gguf_config", "hf_name", "load_gguf"]
 
 log = logging.getLogger(__name__)
 
@@ -155,13 +155,16 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(name: str) -> str:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
+def hf_name(name: str, outer: dict[str, str], layer_names: dict[str, str], prefix: str) -> str:
+    """A GGUF tensor's transformers name: ``outer[name]`` outside the layers, layer i's
+    ``blk.{i}.{kind}.weight`` as ``{prefix}.{i}.{layer_names[kind]}.weight``. ValueError
+    for a tensor of neither."""
+    if name in outer:
+        return outer[name]
     m = _LAYER_RE.fullmatch(name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
-        raise ValueError(f"GGUF tensor {name!r} is not part of a supported model")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m is None or m.group(2) not in layer_names:
+        raise ValueError(f"GGUF tensor {name!r} is not part of a model heron reads")
+    return f"{prefix}.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
 
 
 def _load_tokenizer(reader: gguf.GGUFReader, path: Path) -> Tokenizer | None:
@@ -201,7 +204,7 @@ def load_gguf(path: str | Path, keep_quantized: bool = False, int8_activations: 
         if tensor.name in _IGNORED:
             log.warning("%s: ignoring %s (not used by heron)", path.name, tensor.name)
             continue
-        name = _hf_name(tensor.name)
+        name = hf_name(tensor.name, _GLOBAL_NAMES, _LAYER_NAMES, "model.layers")
         proj = name.split(".")[-2]
         tied_head = name == "model.embed_tokens.weight" and config["tie_word_embeddings"]
         kept = _kept(tensor, int8_activations) if keep_quantized and (
