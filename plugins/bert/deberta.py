@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from heron.core import ScoreHead
 from heron.core.ops import linear, pack_weight, packed_attention
 from heron.plugins.bert.config import DebertaConfig
-from heron.plugins.bert.model import ACTIVATION_FNS, Layer, checkpoint_names
+from heron.plugins.bert.model import (ACTIVATION_FNS, Layer, add_token_types,
+                                      checkpoint_names)
 from heron.plugins.transformer.model import Weights
 
 
@@ -102,8 +103,7 @@ class DebertaModel:
         x = self.tokens[ids]
         if self.positions is not None:
             x = x + self.positions[positions]
-        if self.types is not None:
-            x = x + (self.types[0] if types is None else self.types[types])
+        x = add_token_types(x, self.types, types)
         if self.embed_proj is not None:
             x = linear(x, self.embed_proj)
         x = F.layer_norm(x, x.shape[-1:], *self.embed_norm, cfg.layer_norm_eps)

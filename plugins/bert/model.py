@@ -41,12 +41,13 @@ class Dense:
 
 @dataclass
 class Layer:
-    """A post-norm encoder layer (BERT's, and DeBERTa's around its own attention)."""
+    """A post-norm encoder layer (BERT's; DeBERTa's around its own attention; NomicBERT's
+    and GTE's around rotary attention and a gated FFN)."""
 
     qkv: Dense  # q, k, v rows fused
     attn_out: Dense
     attn_norm: tuple[torch.Tensor, torch.Tensor]
-    up: Dense
+    up: Dense  # a gated FFN's: the gate's rows, then up's (its `act` multiplies them)
     down: Dense
     ffn_norm: tuple[torch.Tensor, torch.Tensor]
 
@@ -70,12 +71,22 @@ class Layer:
 
     def __call__(self, x: torch.Tensor, attend, act, eps: float, num_heads: int
                  ) -> torch.Tensor:
-        """``attend(q, k, v)``: ``[T, heads, head_dim]`` each in, ``[T, hidden]`` out."""
+        """``attend(q, k, v)``: ``[T, heads, head_dim]`` each in, ``[T, hidden]`` out;
+        ``act`` of the FFN's first projection gives the input of its second."""
         qkv = self.qkv(x).view(x.shape[0], 3, num_heads, -1)
         o = self.attn_out(attend(qkv[:, 0], qkv[:, 1], qkv[:, 2]))
         x = F.layer_norm(o + x, x.shape[-1:], *self.attn_norm, eps)
         h = self.down(act(self.up(x)))
         return F.layer_norm(h + x, x.shape[-1:], *self.ffn_norm, eps)
+
+
+def add_token_types(x: torch.Tensor, table: torch.Tensor | None,
+                    types: torch.Tensor | None) -> torch.Tensor:
+    """``x`` plus each row's token-type embedding from ``table`` (``types`` None: type 0);
+    ``x`` itself for a model without token types (``table`` None)."""
+    if table is None:
+        return x
+    return x + (table[0] if types is None else table[types])
 
 
 # DistilBERT's names for BERT's layer tensors
@@ -130,8 +141,7 @@ class EncoderModel:
         eps, act = cfg.layer_norm_eps, ACTIVATION_FNS[cfg.hidden_act]
         attention = packed_attention(sizes, cfg.head_dim ** -0.5, ids.device)
         x = self.tokens[ids] + self.positions[positions + cfg.position_offset]
-        if self.types is not None:
-            x = x + (self.types[0] if types is None else self.types[types])
+        x = add_token_types(x, self.types, types)
         x = F.layer_norm(x, x.shape[-1:], *self.embed_norm, eps)
         for layer in self.layers:
             x = layer(x, attention, act, eps, cfg.num_heads)

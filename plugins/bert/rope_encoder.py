@@ -19,14 +19,13 @@ models' (``layers.{i}.self_attn.q_proj``, ...). All of them load.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from heron.core.ops import pack_weight, packed_attention, rope_cos_sin_cache, rotary
 from heron.plugins.bert.config import RopeEncoderConfig
-from heron.plugins.bert.model import ACTIVATION_FNS, Dense
+from heron.plugins.bert.model import ACTIVATION_FNS, Dense, Layer, add_token_types
 from heron.plugins.transformer.model import Weights
 
 # the checkpoints' own names -> transformers' (q, k and v stay fused as `self_attn.qkv`)
@@ -38,9 +37,6 @@ _OWN_NAMES = [(r"^new\.", ""), (r"^emb_ln\.", "embeddings.LayerNorm."),
               (r"\.mlp\.fc2\.", ".mlp.down_proj."),
               (r"\.(norm1|attn_ln)\.", ".post_attention_layernorm."),
               (r"\.(norm2|mlp_ln)\.", ".post_mlp_layernorm.")]
-
-Norm = tuple[torch.Tensor, torch.Tensor]
-
 
 def transformers_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     renamed = {}
@@ -55,16 +51,6 @@ def transformers_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return renamed
 
 
-@dataclass
-class RopeLayer:
-    qkv: Dense
-    out: Dense
-    attn_norm: Norm
-    gate_up: Dense  # the gate's rows, then the up projection's
-    down: Dense
-    mlp_norm: Norm
-
-
 class RopeEncoderModel:
     def __init__(self, cfg: RopeEncoderConfig, tensors: dict[str, torch.Tensor], device,
                  dtype: torch.dtype) -> None:
@@ -75,7 +61,7 @@ class RopeEncoderModel:
             return Dense(pack_weight(w.cat([f"{n}.weight" for n in names])),
                          w.cat([f"{n}.bias" for n in names], required=False))
 
-        def norm(name: str) -> Norm:
+        def norm(name: str) -> tuple[torch.Tensor, torch.Tensor]:
             return w.take(f"{name}.weight"), w.take(f"{name}.bias")
 
         def qkv(i: int) -> Dense:
@@ -86,11 +72,12 @@ class RopeEncoderModel:
         self.tokens = w.take("embeddings.word_embeddings.weight")
         self.types = w.take("embeddings.token_type_embeddings.weight", cfg.type_vocab_size > 0)
         self.embed_norm = norm("embeddings.LayerNorm")
-        self.layers = [RopeLayer(qkv(i), dense(f"layers.{i}.self_attn.o_proj"),
-                                  norm(f"layers.{i}.post_attention_layernorm"),
-                                  dense(f"layers.{i}.mlp.gate_proj", f"layers.{i}.mlp.up_proj"),
-                                  dense(f"layers.{i}.mlp.down_proj"),
-                                  norm(f"layers.{i}.post_mlp_layernorm"))
+        # BERT's post-norm layer, its FFN's first projection the gate's rows then up's
+        self.layers = [Layer(qkv(i), dense(f"layers.{i}.self_attn.o_proj"),
+                             norm(f"layers.{i}.post_attention_layernorm"),
+                             dense(f"layers.{i}.mlp.gate_proj", f"layers.{i}.mlp.up_proj"),
+                             dense(f"layers.{i}.mlp.down_proj"),
+                             norm(f"layers.{i}.post_mlp_layernorm"))
                        for i in range(cfg.num_layers)]
         self.cos_sin = rope_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings,
                                           cfg.rope_theta).to(device)
@@ -106,15 +93,16 @@ class RopeEncoderModel:
         cfg = self.cfg
         act, eps = ACTIVATION_FNS[cfg.hidden_act], cfg.layer_norm_eps
         attention = packed_attention(sizes, cfg.head_dim ** -0.5, ids.device)
-        x = self.tokens[ids]
-        if self.types is not None:
-            x = x + (self.types[0] if types is None else self.types[types])
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return attention(*rotary(q, k, positions, self.cos_sin), v)
+
+        def gated(h: torch.Tensor) -> torch.Tensor:
+            gate, up = h.chunk(2, dim=-1)
+            return act(gate) * up
+
+        x = add_token_types(self.tokens[ids], self.types, types)
         x = F.layer_norm(x, x.shape[-1:], *self.embed_norm, eps)
         for layer in self.layers:
-            q, k, v = layer.qkv(x).view(x.shape[0], 3, cfg.num_heads, cfg.head_dim).unbind(1)
-            q, k = rotary(q, k, positions, self.cos_sin)
-            x = F.layer_norm(x + layer.out(attention(q, k, v)), x.shape[-1:],
-                             *layer.attn_norm, eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            x = F.layer_norm(x + layer.down(act(gate) * up), x.shape[-1:], *layer.mlp_norm, eps)
+            x = layer(x, attend, gated, eps, cfg.num_heads)
         return x
