@@ -43,7 +43,7 @@ def _items(f: BinaryIO, path: str | Path):
     _read(f, "<I")  # version
     tensors = _read(f, "<Q")
     for _ in range(_read(f, "<Q")):
-        name = f.read(_read(f, "<Q")).decode("utf-8", errors="replace")
+        name = _value(f, _STRING)
         yield name, _value(f, _read(f, "<I"))
     yield None, tensors
 
@@ -64,7 +64,7 @@ def read_gguf_header(path: str | Path) -> tuple[dict[str, Any], dict[str, tuple[
         metadata = dict(_items(f, path))
         shapes = {}
         for _ in range(metadata.pop(None)):
-            name = f.read(_read(f, "<Q")).decode("utf-8", errors="replace")
+            name = _value(f, _STRING)
             shapes[name] = tuple(_read(f, "<Q") for _ in range(_read(f, "<I")))
             _read(f, "<I"), _read(f, "<Q")  # type, offset
     return metadata, shapes

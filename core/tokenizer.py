@@ -237,9 +237,9 @@ class Tokenizer:
                              "(byte-level BPE, 'gpt2'; WordPiece, 'bert'; Unigram, 't5')")
         if encoder or kind != "gpt2":
             return cls._gguf_encoder(backend, tokens, types, field)
-        ids = {name: field(f"tokenizer.ggml.{key}_token_id") for name, key in
-               (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding"))}
-        special = {name: tokens[i] if i is not None and i < len(tokens) else None for name, i in ids.items()}
+        special = {name: _gguf_token(tokens, field, key) for name, key in
+                   (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"),
+                    ("pad_token", "padding"))}
         add_bos = bool(field("tokenizer.ggml.add_bos_token", False))
         _set_bos_eos_processor(backend, special, add_bos, bool(field("tokenizer.ggml.add_eos_token", False)))
         # End-of-turn / end-of-message tokens (Llama 3: <|eot_id|>, <|eom_id|>) also end generation.
