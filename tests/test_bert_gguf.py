@@ -89,23 +89,38 @@ def _finish(writer, hf_dir, config: dict, state: dict[str, torch.Tensor],
     writer.close()
 
 
-def _wordpiece_vocab(writer, hf_dir, vocab_size: int, lowercase: bool | None) -> None:
-    """BERT's vocabulary as the converter writes it (`write_gguf`)."""
+def _vocabulary(hf_dir, size: int) -> tuple[list[str], list[int]]:
+    """The tokenizer's tokens in id order and their types, as the converter's
+    `get_vocab_base` lists them: special tokens control ones, and the embedding's rows past
+    the vocabulary padded with unused "[PAD{i}]" tokens."""
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     by_id = {i: t for t, i in tokenizer.get_vocab().items()}
     control = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    # the embedding's rows past the vocabulary are padded with unused "[PAD{i}]" tokens
-    # (`get_vocab_base`), which get the word marker as ordinary tokens do
     types = [gguf.TokenType.CONTROL if i in control else gguf.TokenType.NORMAL if i in by_id
-             else gguf.TokenType.UNUSED for i in range(vocab_size)]
-    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
-    tokens = [t if i in control else t[2:] if t.startswith("##") else "\u2581" + t
-              for i, t in enumerate(tokens)]
+             else gguf.TokenType.UNUSED for i in range(size)]
+    return [by_id.get(i, f"[PAD{i}]") for i in range(size)], types
+
+
+def _wordpiece_vocab(writer, hf_dir, vocab_size: int, lowercase: bool | None) -> None:
+    """BERT's vocabulary as the converter writes it (`write_gguf`): every token but the
+    control ones (the padding too) with the word marker, or without ``##``."""
+    tokens, types = _vocabulary(hf_dir, vocab_size)
     writer.add_tokenizer_model("bert")
-    writer.add_token_list(tokens)
+    writer.add_token_list([t if k == gguf.TokenType.CONTROL else t[2:] if t.startswith("##")
+                           else "\u2581" + t for t, k in zip(tokens, types)])
     writer.add_token_types(types)
     if lowercase is not None:
         writer.add_bool("tokenizer.ggml.normalizer.lowercase", lowercase)
+
+
+def _bpe_vocab(writer, hf_dir, vocab_size: int) -> None:
+    """A byte-level BPE vocabulary as the converter writes it (`_set_vocab_gpt2`; the
+    merges come with `_finish`'s special vocabulary)."""
+    tokens, types = _vocabulary(hf_dir, vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
 
 
 def write_gguf(hf_dir, path, pooling: int | None = gguf.PoolingType.CLS,
@@ -145,25 +160,16 @@ def write_roberta_gguf(hf_dir, path) -> None:
     offset = config["pad_token_id"] + 1
     writer = _encoder_writer(path, config, gguf.PoolingType.MEAN,
                              config["max_position_embeddings"] - offset)
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    by_id = {i: t for t, i in tokenizer.get_vocab().items()}
-    control = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list([by_id.get(i, f"[PAD{i}]") for i in range(config["vocab_size"])])
-    writer.add_token_types([gguf.TokenType.CONTROL if i in control else gguf.TokenType.NORMAL
-                            if i in by_id else gguf.TokenType.UNUSED
-                            for i in range(config["vocab_size"])])
+    _bpe_vocab(writer, hf_dir, config["vocab_size"])
     model = transformers.RobertaModel.from_pretrained(hf_dir).eval()
     _finish(writer, hf_dir, config, model.state_dict(), position_offset=offset, merges=True)
 
 
 def write_xlm_roberta_gguf(hf_dir, path, pooling: int | None = gguf.PoolingType.MEAN) -> None:
     """``hf_dir``'s XLMRobertaModel (or classifier, its labels named) as llama.cpp's
-    converter writes it from a
-    ``sentencepiece.bpe.model``: the pieces in fairseq's order (``<s> <pad> </s> <unk>``,
-    then sentencepiece's pieces from its id 3 on), their scores and types, and the model's
-    normalizer settings."""
+    converter writes it from a ``sentencepiece.bpe.model``: the pieces in fairseq's order
+    (``<s> <pad> </s> <unk>``, then sentencepiece's pieces from its id 3 on), their scores
+    and types, and the model's normalizer settings."""
     from sentencepiece import SentencePieceProcessor
     from sentencepiece import sentencepiece_model_pb2
     config = json.loads((hf_dir / "config.json").read_text())
@@ -529,14 +535,7 @@ def write_modernbert_gguf(model, hf_dir, path) -> None:
                       c.global_attn_every_n_layers)
     writer.add_vocab_size(c.vocab_size)
     writer.add_string("modern-bert.hidden_activation", c.hidden_activation)
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    by_id = {i: t for t, i in tokenizer.get_vocab().items()}
-    control = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([by_id.get(i, f"[PAD{i}]") for i in range(c.vocab_size)])
-    writer.add_token_types([gguf.TokenType.CONTROL if i in control else gguf.TokenType.NORMAL
-                            if i in by_id else gguf.TokenType.UNUSED
-                            for i in range(c.vocab_size)])
+    _bpe_vocab(writer, hf_dir, c.vocab_size)
     if c.architectures and c.architectures[0].endswith("ForSequenceClassification"):
         writer.add_classifier_output_labels([c.id2label[i] for i in range(c.num_labels)])
     state = {n.removeprefix("model.").replace("classifier.", "classifier.out_proj."): t
