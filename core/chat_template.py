@@ -19,6 +19,7 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -26,7 +27,8 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatTemplateError", "normalize_messages", "render_chat_template"]
+__all__ = ["ChatTemplateError", "normalize_messages", "read_chat_template",
+           "render_chat_template"]
 
 
 class ChatTemplateError(ValueError):
@@ -115,6 +117,26 @@ def _compile(template: str) -> jinja2.Template:
         raise ChatTemplateError(f"the model's chat template does not parse: {exc}") from exc
 
 
+def read_chat_template(value: str) -> str:
+    """The template ``model.chat_template`` gives: the text itself where it holds Jinja
+    markup (``{{`` or ``{%``), else the file it names (as vLLM's ``--chat-template``).
+    Raises `ChatTemplateError` for a file that is not there or a template that does not
+    parse, so that a server refuses to start rather than every chat request."""
+    if "{{" in value or "{%" in value:
+        text = value
+    else:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ChatTemplateError(f"model.chat_template: {value!r} is neither a file nor a "
+                                    "Jinja template")
+        text = path.read_text(encoding="utf-8")
+    try:
+        _compile(text)
+    except ChatTemplateError as e:
+        raise ChatTemplateError(f"model.chat_template: {e.__cause__}") from None
+    return text
+
+
 def _plain(value: Any) -> Any:
     """A copy built of plain JSON-like types only, so the sandbox never sees foreign objects."""
     if value is None or type(value) in (str, int, float, bool):
@@ -180,7 +202,8 @@ def render_chat_template(template: str | None, messages: Sequence[Mapping[str, A
     """
     if not template:
         raise ChatTemplateError(
-            "this model has no chat template; use the completions API or give the model a template")
+            "this model has no chat template; use the completions API or give it one "
+            "(model.chat_template, `heron serve --chat-template FILE`)")
     if clash := sorted(RESERVED_VARIABLES & set(kwargs)):
         raise ChatTemplateError(f"template variables may not be named {', '.join(clash)}: "
                                 "the renderer sets those itself")

@@ -74,6 +74,10 @@ class ModelConfig(_Section):
     # one token, the sigmoid of its logit; two, [no, yes], the probability of the second
     # against the first (Qwen3-Reranker's); more, the softmax over their logits
     classifier_from_tokens: list[str] | None = None
+    # the chat template in place of the tokenizer's (vLLM's --chat-template): a file, or
+    # the template itself; for a cross-encoder, /score and /rerank render each pair through
+    # it as two messages, roles "query" and "document" (vLLM's score templates)
+    chat_template: str | None = None
     # how an embedding pools its tokens' hidden states; auto: as the checkpoint's
     # sentence-transformers Pooling module says, else the family's default ("last" for a
     # decoder, "cls" for an encoder: `ModelRunner.default_pooling`)
@@ -97,6 +101,8 @@ class ModelConfig(_Section):
                  "must be >= 1"),
                 ("classifier_from_tokens", self.classifier_from_tokens != [],
                  "must name at least one token"),
+                ("chat_template", self.chat_template != "",
+                 "must name a template file or hold a template"),
                 ("num_threads", self.num_threads is None or self.num_threads >= 1,
                  "must be >= 1"),
                 ("matryoshka_dimensions", not isinstance(self.matryoshka_dimensions, list)

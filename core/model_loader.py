@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from heron.core.chat_template import read_chat_template
 from heron.core.config import ModelConfig
 from heron.core.family import LoadedModel
 from heron.core.gguf_header import read_gguf_value
@@ -46,11 +47,18 @@ class ModelLoadError(ValueError):
 def load_model(model: ModelConfig, plugins: PluginManager, device: torch.device,
                dtype: torch.dtype) -> LoadedModel:
     path = resolve_model_path(model)
+    # read before the weights, so that a missing file fails at once
+    template = read_chat_template(model.chat_template) if model.chat_template else None
     try:
         pooling = resolve_pooling(model, path)
         spec = (plugins.family_for(name=model.family) if model.family
                 else plugins.family_for(**detect_architecture(path)))
         loaded = load_family(spec)(str(path), model, device, dtype)
+        if template is not None:
+            if loaded.tokenizer is None:
+                raise ModelLoadError(f"{path}: model.chat_template needs the model's "
+                                     "tokenizer, and it has none")
+            loaded.tokenizer.chat_template = template
         if pooling is not None and pooling.method == "auto":
             pooling = dataclasses.replace(pooling, method=loaded.runner.default_pooling)
         loaded.pooling = pooling

@@ -166,6 +166,16 @@ def template_kwargs(effort: str | None, kwargs: dict[str, Any] | None) -> dict[s
     return {**({"reasoning_effort": effort} if effort else {}), **(kwargs or {})}
 
 
+def check_template_kwargs(template_kwargs: dict[str, Any] | None, given=()) -> None:
+    """A 400 where a request's ``chat_template_kwargs`` set what the renderer sets itself
+    or the request's own fields (``given``) set."""
+    reserved = {*RESERVED_VARIABLES, "tokenize", "special_tokens", "template",
+                "continue_final_message", *given}
+    if clash := sorted(reserved & set(template_kwargs or ())):
+        raise bad_request(f"`chat_template_kwargs` may not set {', '.join(clash)}",
+                          param="chat_template_kwargs")
+
+
 def chat_prompt(app: web.Application, messages: list[ChatMessage], *,
                 add_special_tokens: bool = False, **render: Any) -> list[int]:
     """Token ids of ``messages`` rendered with the model's chat template (`chat_text`),
@@ -190,12 +200,7 @@ def chat_text(app: web.Application, messages: list[ChatMessage], *,
     plain = [_template_message(i, m) for i, m in enumerate(messages)]
     given = {name: value for name, value in (("tools", tools), ("documents", documents))
              if value}
-    # the request's own fields and what the renderer sets may not be set twice
-    reserved = {*RESERVED_VARIABLES, "tokenize", "special_tokens", "template",
-                "continue_final_message", *given}
-    if clash := sorted(reserved & set(template_kwargs or ())):
-        raise bad_request(f"`chat_template_kwargs` may not set {', '.join(clash)}",
-                          param="chat_template_kwargs")
+    check_template_kwargs(template_kwargs, given)
     try:
         return tokenizer_of(app).apply_chat_template(
             plain, add_generation_prompt=add_generation_prompt,

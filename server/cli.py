@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from heron.core.chat_template import ChatTemplateError, read_chat_template
 from heron.core.config import ConfigError, dump_config, load_config, parse_override
 
 
@@ -17,12 +18,16 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="override a config key (TOML literal)")
+    p.add_argument("--chat-template", metavar="FILE", help="the chat template in place of "
+                   "the tokenizer's, a file or the template itself (model.chat_template)")
 
 
 def _config(args):
     overrides = dict(parse_override(item) for item in args.overrides)
     if getattr(args, "model", None):
         overrides["model.path"] = args.model
+    if getattr(args, "chat_template", None):
+        overrides["model.chat_template"] = args.chat_template
     for key in ("host", "port"):
         if getattr(args, key, None) is not None:
             overrides[f"server.{key}"] = getattr(args, key)
@@ -33,6 +38,11 @@ def _config(args):
         overrides["server.api_keys"] = config.server.api_keys + env_keys
         config = load_config(args.config, overrides)
     _check_plugin_names(config)
+    if config.model.chat_template:  # a missing file fails here, before a model loads
+        try:
+            read_chat_template(config.model.chat_template)
+        except ChatTemplateError as e:
+            raise ConfigError(str(e)) from None
     return config
 
 

@@ -365,6 +365,8 @@ class ScoreRequest(_Body, kw_only=True):
     truncate_prompt_tokens: TruncatePromptTokens = None
     truncation_side: TruncationSide = None
     priority: Priority = 0
+    # vLLM's: the score template's variables (model.chat_template)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class RerankRequest(_Body, kw_only=True):
@@ -380,6 +382,8 @@ class RerankRequest(_Body, kw_only=True):
     truncate_prompt_tokens: TruncatePromptTokens = None
     truncation_side: TruncationSide = None
     priority: Priority = 0
+    # vLLM's: the score template's variables (model.chat_template)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body, kw_only=True):

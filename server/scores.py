@@ -8,7 +8,10 @@ cross-encoder: `...ForSequenceClassification`, ``num_labels = 1``) each pair is 
 input, its two texts in the tokenizer's pair template (BERT's second text of token type 1),
 and its score the sigmoid of the label's logit; ``truncate_prompt_tokens`` cuts a pair as
 transformers (and sentence-transformers' CrossEncoder) does: the template kept, the longer
-text first losing tokens at its end (``truncation_side: "left"``: its start). Either way all
+text first losing tokens at its end (``truncation_side: "left"``: its start). A
+cross-encoder given ``model.chat_template`` renders each pair through it instead (vLLM's
+score templates: messages of roles "query" and "document", the request's
+``chat_template_kwargs`` as its variables); then only the document is cut. Either way all
 of a call's inputs run in the same steps (`embeddings.pool`), are checked as
 /v1/embeddings' inputs are, and errors name the text (``text_2[3]``, ``documents[0]``).
 """
@@ -21,8 +24,11 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from heron.server.admission import check_model, check_queue_room, tokenizer_of, truncation_of
-from heron.server.appkeys import ASYNC_ENGINE, MODEL_NAME
+from heron.core.chat_template import ChatTemplateError
+from heron.core.tokenizer import Tokenizer
+from heron.server.admission import (check_model, check_queue_room, check_template_kwargs,
+                                    tokenizer_of, truncation_of)
+from heron.server.appkeys import ASYNC_ENGINE, CONFIG, MODEL_NAME
 from heron.server.embeddings import (Pooled, check_lengths, encoded_inputs, pool,
                                      require_task)
 from heron.server.errors import bad_request, decode_body
@@ -77,20 +83,59 @@ def _bi_encoder_inputs(app: web.Application, req, first: tuple[str, Any],
 
 def _cross_encoder_inputs(app: web.Application, req, first: tuple[str, Any],
                           second: tuple[str, Any]) -> _Inputs:
-    """Each pair as one input, the tokenizer's pair template around its two texts."""
+    """Each pair as one input: its two texts through the score template where the model
+    has one, else in the tokenizer's pair template."""
     firsts, texts = _texts(first[1], first[0]), _texts(second[1], second[0])
     _check_pairing(len(firsts), len(texts), first[0], second[0])
     tokenizer, engine = tokenizer_of(app), app[ASYNC_ENGINE].engine
     keep = truncation_of(req, engine.limits.max_embedding_len)
+    side = req.truncation_side or "right"
+    pairs = list(zip(firsts * len(texts) if len(firsts) == 1 else firsts, texts))
     try:
-        pairs = [tokenizer.encode_pair(a, b, keep, req.truncation_side or "right")
-                 for a, b in zip(firsts * len(texts) if len(firsts) == 1 else firsts, texts)]
+        if _has_score_template(app):
+            check_template_kwargs(req.chat_template_kwargs)
+            ids = [_templated_pair(tokenizer, a, b, req.chat_template_kwargs, keep, side)
+                   for a, b in pairs]
+            types = [[0] * len(i) for i in ids]
+        else:
+            encoded = [tokenizer.encode_pair(a, b, keep, side) for a, b in pairs]
+            ids, types = [p[0] for p in encoded], [p[1] for p in encoded]
+    except ChatTemplateError as e:
+        raise bad_request(f"the score template refused a pair: {e}", param=first[0]) from None
     except ValueError as e:  # a keep too small for the template
         raise bad_request(f"`truncate_prompt_tokens`: {e}", param="truncate_prompt_tokens")
-    ids = [p[0] for p in pairs]
     check_lengths(app, ids, second[0])
-    return _Inputs(texts, ids, 0,
-                   [p[1] for p in pairs] if engine.runner.num_token_types else None)
+    return _Inputs(texts, ids, 0, types if engine.runner.num_token_types else None)
+
+
+def _has_score_template(app: web.Application) -> bool:
+    """Whether a cross-encoder's pairs go through ``model.chat_template`` (only a template
+    given explicitly: a decoder's own chat template is for chats, not for pairs)."""
+    return app[CONFIG].model.chat_template is not None
+
+
+def _templated_pair(tokenizer: Tokenizer, query: str, document: str,
+                    kwargs: dict[str, Any] | None, keep: int | None, side: str) -> list[int]:
+    """The ids of the score template's rendering of ``query`` and ``document`` (two
+    messages, roles "query" and "document", as vLLM renders them), with the tokenizer's
+    special tokens (a BOS), as a cross-encoder's reference code encodes its prompt. With
+    ``keep``, the document loses tokens at its end (``side`` "left": its start) until the
+    prompt holds at most that many; ValueError where the rest alone is longer."""
+    def render(doc: str) -> list[int]:
+        return tokenizer.encode(tokenizer.apply_chat_template(
+            [{"role": "query", "content": query}, {"role": "document", "content": doc}],
+            add_generation_prompt=False, **(kwargs or {})))
+
+    ids = render(document)
+    words = tokenizer.encode(document, add_special_tokens=False)
+    while keep is not None and len(ids) > keep:
+        if not words:
+            raise ValueError(f"the score template and the query alone take {len(ids)} tokens, "
+                             f"more than {keep}")
+        cut = min(len(ids) - keep, len(words))
+        words = words[:len(words) - cut] if side == "right" else words[cut:]
+        ids = render(tokenizer.decode(words, skip_special_tokens=False))
+    return ids
 
 
 async def _pair_scores(request: web.Request, task: str, req, kind: str,
@@ -100,6 +145,10 @@ async def _pair_scores(request: web.Request, task: str, req, kind: str,
     or pairs in order; returns the response's makings and the second field's texts."""
     app = request.app
     adapter = check_model(app, req.model)
+    if req.chat_template_kwargs and (task == "embed" or not _has_score_template(app)):
+        raise bad_request("`chat_template_kwargs` are a score template's variables, and the "
+                          f"model `{app[MODEL_NAME]}` scores without one (a cross-encoder's "
+                          "model.chat_template)", param="chat_template_kwargs")
     make_inputs = _bi_encoder_inputs if task == "embed" else _cross_encoder_inputs
     inputs = make_inputs(app, req, first, second)
     check_queue_room(app, inputs.ids, second[0])

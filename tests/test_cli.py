@@ -40,7 +40,7 @@ def test_help_lists_every_command_and_option(capsys):
         assert command in out
     code, out, _ = run_main(capsys, "serve", "--help")
     assert code == 0
-    for option in ("model", "--config", "--set", "--host", "--port"):
+    for option in ("model", "--config", "--set", "--host", "--port", "--chat-template"):
         assert option in out
 
 
@@ -102,6 +102,17 @@ def test_serve_rejects_bad_overrides_and_missing_models(capsys, tmp_path):
     assert code == 2 and "missing.gguf" in err
     code, _, err = run_main(capsys, "serve", "--port", "nope")
     assert code == 2 and "--port" in err
+    code, _, err = run_main(capsys, "serve", "--chat-template", str(tmp_path / "chat.jinja"))
+    assert code == 2 and "chat.jinja' is neither a file nor a Jinja template" in err
+    code, _, err = run_main(capsys, "serve", "--chat-template", "{% if %}")
+    assert code == 2 and "model.chat_template: " in err
+
+
+def test_chat_template_flag_sets_the_model_key(capsys, tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages[0].content }}")
+    code, out, _ = run_main(capsys, "config", "--chat-template", str(template))
+    assert code == 0 and tomllib.loads(out)["model"]["chat_template"] == str(template)
 
 
 @pytest.fixture

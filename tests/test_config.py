@@ -57,6 +57,8 @@ def test_test_toml_loads():
     ("[model]\nkeep_quantized = \"int4\"\n", "keep_quantized", "Invalid enum value 'int4'"),
     ("[model]\nclassifier_from_tokens = []\n", "classifier_from_tokens",
      "must name at least one token"),
+    ("[model]\nchat_template = \"\"\n", "chat_template",
+     "must name a template file or hold a template"),
     ("[server]\ntool_call_parser = \"granite\"\n", "tool_call_parser",
      "'hermes', 'llama3_json', 'pythonic', 'mistral'"),
 ])

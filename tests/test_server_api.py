@@ -10,7 +10,7 @@ import openai
 import pytest
 import structlog
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from heron.core.engine import Engine
 from tests.server_utils import ServerThread, server_config
@@ -469,6 +469,36 @@ def test_tokenize_detokenize(server, tokenizer):
     assert json.loads(body)["tokens"] == tokenizer.apply_chat_template(messages, tokenize=True)
     status, _, body = server.http("POST", "/detokenize", {"tokens": tokens["tokens"]})
     assert status == 200 and json.loads(body)["prompt"] == PROMPT
+
+
+def test_a_configured_chat_template_replaces_the_tokenizers(tmp_path):
+    """``model.chat_template`` (vLLM's ``--chat-template``), a file or the text itself: chats
+    and /tokenize render with it; the oracle is transformers given the same template. A
+    model without a tokenizer cannot take one."""
+    build_tiny("llama", tmp_path, std=0.15)
+    template = ("{% for m in messages %}[{{ m.role | upper }}] {{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}[ASSISTANT]{% endif %}")
+    (tmp_path / "override.jinja").write_text(template)
+    oracle = AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    expected = oracle.apply_chat_template(messages, chat_template=template, tokenize=True,
+                                          add_generation_prompt=True)["input_ids"]
+    assert expected != oracle.apply_chat_template(messages, tokenize=True,
+                                                  add_generation_prompt=True)["input_ids"]
+    for value in (str(tmp_path / "override.jinja"), template):
+        config = server_config(tmp_path, **{"server.served_model_name": "tiny",
+                                            "model.chat_template": value})
+        with ServerThread(config, Engine(config)) as s:
+            _, _, body = s.http("POST", "/tokenize", {"messages": messages})
+            assert json.loads(body)["tokens"] == expected
+            reply = s.client().chat.completions.create(
+                model="tiny", messages=messages, max_tokens=2,
+                extra_body={"return_token_ids": True})
+            assert reply.prompt_token_ids == expected
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).unlink()
+    with pytest.raises(ValueError, match="model.chat_template needs the model's tokenizer"):
+        Engine(server_config(tmp_path, **{"model.chat_template": template}))
 
 
 def test_return_token_ids_gives_prompt_and_output_ids(client, tokenizer):

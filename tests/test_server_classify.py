@@ -4,6 +4,8 @@ tokenization (`tests.test_classify`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -120,6 +122,8 @@ def test_a_cross_encoder_scores_each_pair_as_one_input(cross_encoder):
     ("/rerank", {"query": [5, 6], "documents": ["b"]}, "query"),
     ("/score", {"text_1": ["a", "b"], "text_2": ["c"]}, "text_1"),
     ("/score", {"text_1": "a", "text_2": ["b", "long " * 600]}, "text_2[1]"),
+    ("/rerank", {"query": "a", "documents": ["b"], "chat_template_kwargs": {"x": 1}},
+     "chat_template_kwargs"),
 ])
 def test_bad_cross_encoder_requests_get_openai_shaped_errors(cross_encoder, path, body, param):
     server = cross_encoder[0]
@@ -145,3 +149,121 @@ def test_a_causal_lm_reranks_by_two_tokens_of_its_lm_head(tmp_path):
                                                             key=lambda i: -expected[i])
     for r in reply["results"]:
         assert r["relevance_score"] == pytest.approx(expected[r["index"]], abs=1e-5)
+
+
+# Qwen3-Reranker's model card builds its prompt by hand, around the pair's tokens:
+CARD_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based "
+               "on the Query and the Instruct provided. Note that the answer can only be "
+               "\"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
+CARD_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+CARD_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+RERANKER_TEMPLATE = Path(__file__).parents[1] / "conf" / "templates" / "qwen3_reranker.jinja"
+
+
+def card_scores(model, tokenizer, query: str, documents: list[str],
+                instruction: str = CARD_INSTRUCTION, max_length: int | None = None
+                ) -> list[tuple[int, float]]:
+    """Each document's (prompt length, relevance) as the model card computes them: prefix
+    and suffix tokens around the pair's tokens, cut at their end to ``max_length`` in all;
+    the probability of "yes" (here "b") against "no" ("a") at the last position."""
+    prefix, suffix = (tokenizer.encode(t, add_special_tokens=False)
+                      for t in (CARD_PREFIX, CARD_SUFFIX))
+    no, yes = tokenizer.convert_tokens_to_ids(["a", "b"])
+    out = []
+    for document in documents:
+        body = tokenizer.encode(f"<Instruct>: {instruction}\n<Query>: {query}\n"
+                                f"<Document>: {document}", add_special_tokens=False)
+        if max_length is not None:
+            body = body[:max_length - len(prefix) - len(suffix)]
+        ids = prefix + body + suffix
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1, [no, yes]]
+        out.append((len(ids), float(logits.softmax(-1)[1])))
+    return out
+
+
+@pytest.fixture(scope="module")
+def llm_reranker(tmp_path_factory):
+    """A tiny Qwen3 whose tokenizer has Qwen's chat markers, served as Qwen3-Reranker is:
+    two of its LM head's rows, and the shipped score template."""
+    path = tmp_path_factory.mktemp("qwen3-reranker")
+    model = build_tiny("qwen3", path, head_dim=32)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.add_tokens(["<think>", "</think>"])  # Qwen3's: added, not special
+    tokenizer.save_pretrained(path)
+    with serve(path, **{"model.classifier_from_tokens": ["a", "b"],
+                        "model.chat_template": str(RERANKER_TEMPLATE)}) as server:
+        yield server, model, tokenizer
+
+
+def test_a_score_template_renders_each_pair_as_the_models_card_does(llm_reranker):
+    """vLLM's score templates: each pair through ``model.chat_template`` as two messages,
+    roles "query" and "document"; ``chat_template_kwargs`` are its variables (the shipped
+    Qwen3-Reranker template's ``instruction``)."""
+    server, model, tokenizer = llm_reranker
+    expected = card_scores(model, tokenizer, QUERY, PROMPTS)
+    status, reply = post(server, "/rerank", {"query": QUERY, "documents": PROMPTS})
+    assert status == 200, reply
+    assert [r["index"] for r in reply["results"]] == sorted(range(len(PROMPTS)),
+                                                            key=lambda i: -expected[i][1])
+    for r in reply["results"]:
+        assert r["relevance_score"] == pytest.approx(expected[r["index"]][1], abs=1e-5)
+    assert reply["usage"]["prompt_tokens"] == sum(n for n, _ in expected)
+    instruction = "Given a question, find the sentence about animals"
+    expected = card_scores(model, tokenizer, QUERY, PROMPTS[:2], instruction) + \
+        card_scores(model, tokenizer, PROMPTS[0], PROMPTS[2:3], instruction)
+    status, reply = post(server, "/score", {
+        "text_1": [QUERY, QUERY, PROMPTS[0]], "text_2": PROMPTS[:3],
+        "chat_template_kwargs": {"instruction": instruction}})
+    assert status == 200, reply
+    assert [d["score"] for d in reply["data"]] == pytest.approx([s for _, s in expected],
+                                                                abs=1e-5)
+
+
+def test_a_templated_pair_is_cut_in_its_document(llm_reranker):
+    """``truncate_prompt_tokens`` keeps the template and the query whole and cuts the
+    document at its end, as the model card cuts its pairs (``truncation_side: "left"``: at
+    its start); a keep smaller than the rest is a 400, and nothing is held after it."""
+    server, model, tokenizer = llm_reranker
+    (length, _), = card_scores(model, tokenizer, QUERY, PROMPTS[:1])
+    keep = length - 4
+    (cut_length, score), = card_scores(model, tokenizer, QUERY, PROMPTS[:1], max_length=keep)
+    assert cut_length == keep
+    status, reply = post(server, "/rerank", {"query": QUERY, "documents": PROMPTS[:1],
+                                             "truncate_prompt_tokens": keep})
+    assert status == 200, reply
+    assert reply["usage"]["prompt_tokens"] == keep
+    assert reply["results"][0]["relevance_score"] == pytest.approx(score, abs=1e-5)
+    status, reply = post(server, "/rerank", {"query": QUERY, "documents": PROMPTS[:1],
+                                             "truncate_prompt_tokens": keep,
+                                             "truncation_side": "left"})
+    assert status == 200 and reply["usage"]["prompt_tokens"] <= keep, reply
+    assert reply["results"][0]["relevance_score"] != pytest.approx(score, abs=1e-5)
+    status, reply = post(server, "/rerank", {"query": QUERY, "documents": PROMPTS[:1],
+                                             "truncate_prompt_tokens": 20})
+    assert status == 400 and reply["error"]["param"] == "truncate_prompt_tokens", reply
+    assert "the score template and the query alone take" in reply["error"]["message"]
+    assert server.wait_for(lambda m: m["heron_kv_blocks_in_use"] == 0)
+
+
+@pytest.mark.parametrize("kwargs", [{"messages": []}, {"add_generation_prompt": True},
+                                    {"special_tokens": {}}])
+def test_score_template_kwargs_may_not_set_the_renderers_own(llm_reranker, kwargs):
+    status, reply = post(llm_reranker[0], "/score", {"text_1": QUERY, "text_2": "x",
+                                                     "chat_template_kwargs": kwargs})
+    assert status == 400 and reply["error"]["param"] == "chat_template_kwargs", reply
+    assert "may not set" in reply["error"]["message"]
+
+
+def test_a_score_template_that_refuses_a_pair_is_a_400(tmp_path):
+    build_tiny("qwen3", tmp_path, head_dim=32)
+    template = ("{% if not messages[1].content %}{{ raise_exception('an empty document') }}"
+                "{% endif %}{{ messages[0].content }} | {{ messages[1].content }}")
+    with serve(tmp_path, **{"model.classifier_from_tokens": ["a", "b"],
+                            "model.chat_template": template}) as server:
+        status, reply = post(server, "/rerank", {"query": QUERY, "documents": ["x", ""]})
+        assert status == 400 and reply["error"]["param"] == "query", reply
+        assert "an empty document" in reply["error"]["message"]
+        status, reply = post(server, "/rerank", {"query": QUERY, "documents": ["x"]})
+        assert status == 200, reply
