@@ -27,8 +27,8 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatTemplateError", "normalize_messages", "read_chat_template",
-           "render_chat_template"]
+__all__ = ["ChatTemplateError", "normalize_messages", "placeholder_template",
+           "read_chat_template", "render_chat_template"]
 
 
 class ChatTemplateError(ValueError):
@@ -135,6 +135,26 @@ def read_chat_template(value: str) -> str:
     except ChatTemplateError as e:
         raise ChatTemplateError(f"model.chat_template: {e.__cause__}") from None
     return text
+
+
+def placeholder_template(text: str) -> str:
+    """A score template (messages of roles "query" and "document") that writes ``text``
+    with its ``{query}`` and ``{document}`` replaced by theirs, as llama.cpp's rerank
+    templates (a GGUF's ``tokenizer.chat_template.rerank``) are filled in. The rest of
+    ``text`` is written as it is: Jinja string literals, which no markup in it can open."""
+    def literal(piece: str) -> str:
+        return "{{ %s }}" % json.dumps(piece, ensure_ascii=False) if piece else ""
+
+    out = []
+    for i, chunk in enumerate(text.split("{query}")):
+        if i:
+            out.append('{{ (messages | selectattr("role", "equalto", "query") | first).content }}')
+        for j, piece in enumerate(chunk.split("{document}")):
+            if j:
+                out.append('{{ (messages | selectattr("role", "equalto", "document") '
+                           '| first).content }}')
+            out.append(literal(piece))
+    return "".join(out)
 
 
 def _plain(value: Any) -> Any:

@@ -58,7 +58,8 @@ def load_model(model: ModelConfig, plugins: PluginManager, device: torch.device,
             if loaded.tokenizer is None:
                 raise ModelLoadError(f"{path}: model.chat_template needs the model's "
                                      "tokenizer, and it has none")
-            loaded.tokenizer.chat_template = template
+            # a cross-encoder's pairs go through it too (vLLM's score templates)
+            loaded.tokenizer.chat_template = loaded.tokenizer.score_template = template
         if pooling is not None and pooling.method == "auto":
             pooling = dataclasses.replace(pooling, method=loaded.runner.default_pooling)
         loaded.pooling = pooling

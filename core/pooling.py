@@ -212,10 +212,15 @@ def _gguf_pooling(path: Path) -> tuple[str | None, tuple[str, ...]]:
     if kind == 4 and not labels:
         raise ConfigError(f"{path.name}: pooling_type rank, but no classifier's rows "
                           "(cls.output) to rank with")
+    causal = metadata.get(f"{arch}.attention.causal") is not False
+    if causal and len(labels) == 2:
+        # a decoder's rank head of two rows, [yes, no] (llama.cpp's Qwen3-Reranker files),
+        # ranks by the first's probability against the second: one label (the
+        # transformer family's loader makes their difference its row)
+        labels = labels[:1]
     if kind in _GGUF_POOLING:
         return _GGUF_POOLING[kind], labels
-    encoder = metadata.get(f"{arch}.attention.causal") is False or labels
-    return ("auto" if encoder else None), labels
+    return ("auto" if not causal or labels else None), labels
 
 
 def _st_modules(path: Path) -> list[dict] | None:

@@ -22,7 +22,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, processors
 
-from heron.core.chat_template import render_chat_template
+from heron.core.chat_template import placeholder_template, render_chat_template
 
 __all__ = ["Tokenizer"]
 
@@ -44,19 +44,22 @@ _BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 class Tokenizer:
-    """A `tokenizers.Tokenizer` with its special tokens and chat template.
+    """A `tokenizers.Tokenizer` with its special tokens, chat template and score template.
 
     ``special_tokens`` maps the named special tokens (``bos_token``, ``eos_token``,
     ``unk_token``, ``pad_token``) to their text; they are also the chat template's variables.
     ``eos_token_ids`` must include the ``eos_token``'s id when there is one (it is added).
+    ``score_template`` is the template a cross-encoder's (query, document) pairs are
+    rendered with (`apply_score_template`); None: the tokenizer's pair template joins them.
     """
 
     def __init__(self, backend: tokenizers.Tokenizer, *, special_tokens: Mapping[str, str | None],
                  eos_token_ids: Iterable[int] = (), chat_template: str | None = None,
-                 add_bos_token: bool = False) -> None:
+                 add_bos_token: bool = False, score_template: str | None = None) -> None:
         self.backend = backend
         self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
         self.chat_template = chat_template
+        self.score_template = score_template
         self.add_bos_token = add_bos_token
         self.bos_token_id = self._id_of(self.special_tokens.get("bos_token"))
         self.eos_token_id = self._id_of(self.special_tokens.get("eos_token"))
@@ -180,6 +183,15 @@ class Tokenizer:
                                     special_tokens=self.special_tokens, **kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
+    def apply_score_template(self, query: str, document: str, **kwargs: Any) -> str:
+        """The text of a pair through `score_template`, as vLLM renders its score
+        templates: two messages, roles "query" and "document"; ``kwargs`` are the
+        template's other variables. `ChatTemplateError` where there is none or it refuses."""
+        return render_chat_template(
+            self.score_template,
+            [{"role": "query", "content": query}, {"role": "document", "content": document}],
+            add_generation_prompt=False, special_tokens=self.special_tokens, **kwargs)
+
     # -- constructors ----------------------------------------------------------------------
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer | None:
@@ -245,9 +257,11 @@ class Tokenizer:
         # End-of-turn / end-of-message tokens (Llama 3: <|eot_id|>, <|eom_id|>) also end generation.
         eos_ids = [i for i in (field("tokenizer.ggml.eot_token_id"), field("tokenizer.ggml.eom_token_id"))
                    if i is not None]
+        rerank = field("tokenizer.chat_template.rerank")  # llama.cpp's: {query}, {document}
         return cls(backend, special_tokens=special, eos_token_ids=eos_ids,
                    chat_template=field("tokenizer.chat_template"),
-                   add_bos_token=add_bos and special["bos_token"] is not None)
+                   add_bos_token=add_bos and special["bos_token"] is not None,
+                   score_template=placeholder_template(rerank) if rerank else None)
 
     @classmethod
     def _gguf_encoder(cls, backend: tokenizers.Tokenizer, tokens: list[str], types: list[int],

@@ -28,7 +28,7 @@ from heron.core.chat_template import ChatTemplateError
 from heron.core.tokenizer import Tokenizer
 from heron.server.admission import (check_model, check_queue_room, check_template_kwargs,
                                     tokenizer_of, truncation_of)
-from heron.server.appkeys import ASYNC_ENGINE, CONFIG, MODEL_NAME
+from heron.server.appkeys import ASYNC_ENGINE, MODEL_NAME
 from heron.server.embeddings import (Pooled, check_lengths, encoded_inputs, pool,
                                      require_task)
 from heron.server.errors import bad_request, decode_body
@@ -109,22 +109,19 @@ def _cross_encoder_inputs(app: web.Application, req, first: tuple[str, Any],
 
 
 def _has_score_template(app: web.Application) -> bool:
-    """Whether a cross-encoder's pairs go through ``model.chat_template`` (only a template
-    given explicitly: a decoder's own chat template is for chats, not for pairs)."""
-    return app[CONFIG].model.chat_template is not None
+    """Whether a cross-encoder's pairs go through a score template: ``model.chat_template``
+    or a GGUF's rerank template (never a decoder's own chat template: that is a chat's)."""
+    return tokenizer_of(app).score_template is not None
 
 
 def _templated_pair(tokenizer: Tokenizer, query: str, document: str,
                     kwargs: dict[str, Any] | None, keep: int | None, side: str) -> list[int]:
-    """The ids of the score template's rendering of ``query`` and ``document`` (two
-    messages, roles "query" and "document", as vLLM renders them), with the tokenizer's
-    special tokens (a BOS), as a cross-encoder's reference code encodes its prompt. With
+    """The ids of the score template's rendering of ``query`` and ``document``, with the
+    tokenizer's special tokens (a BOS), as a cross-encoder's reference code encodes it. With
     ``keep``, the document loses tokens at its end (``side`` "left": its start) until the
     prompt holds at most that many; ValueError where the rest alone is longer."""
     def render(doc: str) -> list[int]:
-        return tokenizer.encode(tokenizer.apply_chat_template(
-            [{"role": "query", "content": query}, {"role": "document", "content": doc}],
-            add_generation_prompt=False, **(kwargs or {})))
+        return tokenizer.encode(tokenizer.apply_score_template(query, doc, **(kwargs or {})))
 
     ids = render(document)
     words = tokenizer.encode(document, add_special_tokens=False)

@@ -65,18 +65,20 @@ def _encoder_writer(path, config: dict, pooling: int | None, context: int,
 
 def _finish(writer, hf_dir, config: dict, state: dict[str, torch.Tensor],
             arch=gguf.MODEL_ARCH.BERT, qtype: Q = Q.F32, position_offset: int = 0,
-            merges: bool = False) -> None:
+            merges: bool = False, named: dict[str, torch.Tensor] | None = None) -> None:
     """gguf-py's special tokens (and a BPE vocabulary's ``merges``), then the tensors of
     ``state`` under gguf-py's names for them (the pooler dropped and RoBERTa's position
-    rows shifted to start at 0, as the converter does); 2-D weights in ``qtype``."""
+    rows shifted to start at 0, as the converter does) and those of ``named`` under their
+    own; 2-D weights in ``qtype``."""
     gguf.SpecialVocab(hf_dir, load_merges=merges, n_vocab=config["vocab_size"]).add_to_gguf(
         writer)
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
-    for name, tensor in sorted(state.items()):  # as safetensors files keep them
-        if name.startswith("pooler.") or name.endswith("_ids"):  # the converter drops these
-            continue
+    tensors = [(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor)
+               for name, tensor in sorted(state.items())  # as safetensors files keep them
+               # the converter drops these
+               if not (name.startswith("pooler.") or name.endswith("_ids"))]
+    for gguf_name, tensor in tensors + list((named or {}).items()):
         array = tensor.numpy()
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name == "position_embd.weight":
             array = array[position_offset:]
         if array.ndim == 2 and qtype != Q.F32 and "embd" not in gguf_name:
@@ -91,13 +93,15 @@ def _finish(writer, hf_dir, config: dict, state: dict[str, torch.Tensor],
 
 def _vocabulary(hf_dir, size: int) -> tuple[list[str], list[int]]:
     """The tokenizer's tokens in id order and their types, as the converter's
-    `get_vocab_base` lists them: special tokens control ones, and the embedding's rows past
-    the vocabulary padded with unused "[PAD{i}]" tokens."""
+    `get_vocab_base` lists them: special tokens control ones, other added tokens
+    user-defined, and the embedding's rows past the vocabulary padded with unused
+    "[PAD{i}]" tokens."""
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     by_id = {i: t for t, i in tokenizer.get_vocab().items()}
-    control = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    types = [gguf.TokenType.CONTROL if i in control else gguf.TokenType.NORMAL if i in by_id
-             else gguf.TokenType.UNUSED for i in range(size)]
+    added = {i: t.special for i, t in tokenizer.added_tokens_decoder.items()}
+    types = [gguf.TokenType.CONTROL if added.get(i) else gguf.TokenType.USER_DEFINED
+             if i in added else gguf.TokenType.NORMAL if i in by_id else gguf.TokenType.UNUSED
+             for i in range(size)]
     return [by_id.get(i, f"[PAD{i}]") for i in range(size)], types
 
 

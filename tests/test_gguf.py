@@ -275,3 +275,78 @@ def test_a_file_with_a_pooling_type_embeds_as_transformers_pools(tmp_path):
             hidden = model.model(torch.tensor([ids])).last_hidden_state[0, -1]
         torch.testing.assert_close(vector, F.normalize(hidden, dim=-1), atol=1e-4, rtol=1e-4)
     assert_no_leaks(engine)
+
+
+# what llama.cpp's converter writes as a Qwen3-Reranker's `tokenizer.chat_template.rerank`
+LLAMA_CPP_RERANK = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "
+    "and the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n"
+    "<|im_start|>user\n<Instruct>: Given a web search query, retrieve relevant passages that "
+    "answer the query\n<Query>: {query}\n<Document>: {document}<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def write_qwen3_reranker_gguf(hf_dir, path, yes: int, no: int) -> None:
+    """``hf_dir``'s Qwen3ForCausalLM as llama.cpp's converter writes a Qwen3-Reranker:
+    pooling rank, labels yes and no, the LM head's ``yes`` and ``no`` rows as ``cls.output``
+    and no LM head, and the rerank template beside the chat template."""
+    import json
+
+    import safetensors.torch
+
+    from tests.test_bert_gguf import _bpe_vocab, _finish
+    config = json.loads((hf_dir / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_pooling_type(gguf.PoolingType.RANK)
+    writer.add_classifier_output_labels(["yes", "no"])
+    writer.add_chat_template([{"name": "rerank", "template": LLAMA_CPP_RERANK}])
+    _bpe_vocab(writer, hf_dir, config["vocab_size"])
+    state = safetensors.torch.load_file(hf_dir / "model.safetensors")
+    head = state.pop("lm_head.weight")
+    _finish(writer, hf_dir, config, state, gguf.MODEL_ARCH.QWEN3, merges=True,
+            named={"cls.output.weight": torch.stack([head[yes], head[no]])})
+
+
+def test_a_qwen3_reranker_file_ranks_as_llama_server_scores_it(tmp_path):
+    """llama.cpp's Qwen3-Reranker files rank out of the box: /rerank fills the file's rerank
+    template in with each pair and scores it by the first of the two rows' softmax, as
+    llama-server does; the oracle is transformers' causal LM on the filled-in prompt, the
+    probability of "yes" against "no" at its last token."""
+    from transformers import AutoTokenizer
+
+    from tests.test_server_classify import QUERY
+    from tests.test_server_embeddings import PROMPTS, post, serve
+    from tests.tiny_models import add_chat_markers, build_tiny
+    hf_dir = tmp_path / "hf"
+    model = build_tiny("qwen3", hf_dir, head_dim=32)
+    add_chat_markers(hf_dir)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    yes, no = tokenizer.convert_tokens_to_ids(["a", "b"])  # any two rows
+    path = tmp_path / "tiny-qwen3-reranker.gguf"
+    write_qwen3_reranker_gguf(hf_dir, path, yes, no)
+    expected = []
+    for document in PROMPTS:
+        ids = tokenizer(LLAMA_CPP_RERANK.replace("{query}", QUERY).replace(
+            "{document}", document))["input_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1, [yes, no]]
+        expected.append((len(ids), float(logits.softmax(-1)[0])))
+    with serve(path) as server:
+        assert server.async_engine.engine.pooler.pooling.labels == ("yes",)
+        status, reply = post(server, "/rerank", {"query": QUERY, "documents": PROMPTS})
+        assert status == 200, reply
+        for r in reply["results"]:
+            assert r["relevance_score"] == pytest.approx(expected[r["index"]][1], abs=1e-5)
+        assert [r["index"] for r in reply["results"]] == sorted(
+            range(len(PROMPTS)), key=lambda i: -expected[i][1])
+        assert reply["usage"]["prompt_tokens"] == sum(n for n, _ in expected)

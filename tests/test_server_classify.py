@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from tests.test_classify import oracle
 from tests.test_embeddings import PROMPTS
 from tests.test_server_embeddings import post, serve
-from tests.tiny_models import build_tiny
+from tests.tiny_models import add_chat_markers, build_tiny
 
 QUERY = "Which animal jumps over the dog?"
 
@@ -188,10 +188,8 @@ def llm_reranker(tmp_path_factory):
     two of its LM head's rows, and the shipped score template."""
     path = tmp_path_factory.mktemp("qwen3-reranker")
     model = build_tiny("qwen3", path, head_dim=32)
+    add_chat_markers(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tokenizer.add_tokens(["<think>", "</think>"])  # Qwen3's: added, not special
-    tokenizer.save_pretrained(path)
     with serve(path, **{"model.classifier_from_tokens": ["a", "b"],
                         "model.chat_template": str(RERANKER_TEMPLATE)}) as server:
         yield server, model, tokenizer

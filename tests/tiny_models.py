@@ -137,6 +137,15 @@ def save_tokenizer(directory: Path) -> None:
     fast.save_pretrained(directory)
 
 
+def add_chat_markers(directory: Path) -> None:
+    """Qwen's chat markers in the tokenizer saved in ``directory``: ``<|im_start|>`` and
+    ``<|im_end|>`` special tokens, ``<think>`` and ``</think>`` added ones (ids 300-303)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.add_tokens(["<think>", "</think>"])  # Qwen3's: added, not special
+    tokenizer.save_pretrained(directory)
+
+
 @torch.no_grad()
 def randomise_weights(model, std: float) -> None:
     """Norm weights uniform in [0.8, 1.2], every other parameter normal(0, ``std``)."""

@@ -55,6 +55,7 @@ _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    "cls.output.weight": "score.weight",  # a reranker's (llama.cpp's Qwen3-Reranker files)
 }
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -89,6 +90,9 @@ def gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHS)})")
     hf_arch, model_type, _ = _ARCHS[arch]
     names = {t.name for t in reader.tensors}
+    ranks = "cls.output.weight" in names
+    if ranks:  # a sequence classifier: the engine pools it (`heron.core.pooling`)
+        hf_arch = hf_arch.removesuffix("ForCausalLM") + "ForSequenceClassification"
 
     def key(name: str, default: Any = None) -> Any:
         return _uniform(_field(reader, f"{arch}.{name}", default), f"{arch}.{name}")
@@ -111,8 +115,9 @@ def gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         "max_position_embeddings": key("context_length", 2048),
         "vocab_size": key("vocab_size") or (len(tokens.data) if tokens else int(embd.shape[1])),
-        # llama.cpp writes output.weight only when it differs from the embeddings
-        "tie_word_embeddings": "output.weight" not in names,
+        # llama.cpp writes output.weight only when it differs from the embeddings (and
+        # none for a reranker, whose head is cls.output)
+        "tie_word_embeddings": "output.weight" not in names and not ranks,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
@@ -222,6 +227,10 @@ def load_gguf(path: str | Path, keep_quantized: bool = False, int8_activations: 
         if permuted and proj in n_heads:
             w = _unpermute(w, n_heads[proj])
         state_dict[name] = torch.from_numpy(np.ascontiguousarray(w))
+    if (score := state_dict.get("score.weight")) is not None and len(score) == 2:
+        # llama.cpp's rank head of two rows, [yes, no], scores by their softmax's first
+        # probability: one label, whose sigmoid is that (`heron.core.pooling._gguf_pooling`)
+        state_dict["score.weight"] = (score[0] - score[1])[None]
     kept = [t for t in state_dict.values() if isinstance(t, QuantizedWeight)]
     if kept:
         log.info("%s: %d weights kept quantized, %.0f MB (%.0f MB as float32)", path.name,
