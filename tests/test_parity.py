@@ -78,3 +78,27 @@ def test_logits_and_greedy_match_transformers(tiny, scenario):
     for out, ref in zip(outs, ref_tokens):
         assert out.outputs[0].token_ids == ref
         assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kind,window", [
+    ("mistral", {"sliding_window": 48}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 48, "max_window_layers": 1})])
+def test_a_sliding_window_caps_the_context_where_attention_agrees(tmp_path, kind, window):
+    """heron attends to the whole context, so a model whose layers attend through a window
+    (Mistral v0.1's 4096 tokens) serves contexts up to the window, where the two agree:
+    logits match transformers' (its model, window and all) to the window's last position,
+    and a longer context is refused rather than served with other attention."""
+    model = build_tiny(kind, tmp_path, **window)
+    engine = make_engine(tmp_path, **{"model.max_model_len": 256})
+    assert engine.max_model_len == 48
+    recorder = LogitsRecorder(engine)
+    prompt = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    out, = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0,
+                                                    ignore_eos=True, prompt_logprobs=0))
+    ids = prompt + out.outputs[0].token_ids[:-1]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    mine = torch.stack([recorder.rows[(out.request_id, pos)] for pos in range(len(ids))])
+    torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="context of 48 tokens"):
+        engine.generate([prompt], SamplingParams(max_tokens=9))

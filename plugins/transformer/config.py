@@ -35,6 +35,15 @@ class TransformerConfig:
     mlp_bias: bool
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
+    # the window of layers that attend only to their last tokens (Mistral v0.1's 4096);
+    # heron attends to the whole context, the same up to this many tokens
+    sliding_window: int | None = None
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest context served: the positions, or the sliding window where there is
+        one (past it, whole-context attention would differ from the model's)."""
+        return min(self.max_position_embeddings, self.sliding_window or 1 << 62)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> TransformerConfig:
@@ -78,4 +87,19 @@ class TransformerConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_ids=eos_ids,
+            sliding_window=_sliding_window(cfg, arch),
         )
+
+
+def _sliding_window(cfg: dict, arch: str) -> int | None:
+    """The attention window of any layer that has one, as transformers reads the config:
+    Mistral's ``sliding_window``; Qwen2's and Qwen3's where ``layer_types`` (or, in older
+    configs, ``use_sliding_window`` and ``max_window_layers``) give layers one."""
+    window = cfg.get("sliding_window")
+    if arch == "MistralForCausalLM" or not window:
+        return window or None
+    if "layer_types" in cfg:
+        return window if "sliding_attention" in cfg["layer_types"] else None
+    windowed = cfg.get("use_sliding_window") and (
+        cfg.get("max_window_layers", 0) < cfg["num_hidden_layers"])
+    return window if windowed else None

@@ -48,7 +48,11 @@ def load(path: str, model_config: ModelConfig, device: torch.device,
                                                    model_config.classifier_from_tokens)
     if model.unused_tensors:
         log.warning("checkpoint tensors not used: %s", model.unused_tensors[:8])
-    info = ModelInfo.of_checkpoint(source.name, cfg.vocab_size, cfg.max_position_embeddings,
+    if cfg.max_context_len < cfg.max_position_embeddings:
+        log.info("%s: layers attend through a sliding window of %d tokens, which heron does "
+                 "not implement; contexts are served up to that length", source.name,
+                 cfg.sliding_window)
+    info = ModelInfo.of_checkpoint(source.name, cfg.vocab_size, cfg.max_context_len,
                                    cfg.eos_token_ids, tokenizer, dtype, device)
     info.hidden_size = cfg.hidden_size
     return LoadedModel(TransformerRunner(model, info), tokenizer)
