@@ -3,7 +3,11 @@
 The real default model (llama architecture, Q4_1/Q8_0/F32 tensors, permuted q/k) is loaded
 once by heron and once by transformers and every tensor compared. Small synthetic files,
 written with `gguf.GGUFWriter`, cover the other quantization types and the qwen2 / qwen3
-architectures (whose q/k are stored unpermuted).
+architectures (whose q/k are stored unpermuted). Files written from tiny checkpoints the way
+llama.cpp's converter writes them (`write_decoder_gguf`: SmolLM3, a Qwen3-Reranker) are
+checked against transformers' model of the checkpoint; beside the converter itself, on the
+same checkpoints, those writers gave the same keys and values (but ``general.*``) and
+bit-identical tensors.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from heron.plugins.transformer.gguf_loader import dequantize_tensor, load_gguf
+from heron.plugins.transformer.gguf_loader import _ARCHS, dequantize_tensor, load_gguf
 
 
 @pytest.fixture(scope="module")
@@ -286,35 +290,64 @@ LLAMA_CPP_RERANK = (
     "<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-def write_qwen3_reranker_gguf(hf_dir, path, yes: int, no: int) -> None:
-    """``hf_dir``'s Qwen3ForCausalLM as llama.cpp's converter writes a Qwen3-Reranker:
-    pooling rank, labels yes and no, the LM head's ``yes`` and ``no`` rows as ``cls.output``
-    and no LM head, and the rerank template beside the chat template."""
+def write_decoder_gguf(hf_dir, path, arch: str, named=None, drop=(), meta=None) -> None:
+    """``hf_dir``'s causal LM as llama.cpp's converter writes one of ``arch`` (``"qwen3"``,
+    ``"smollm3"``...): its metadata keys, the byte-level BPE vocabulary with gguf-py's
+    special tokens and merges, its tensors under gguf-py's names, q and k rows permuted
+    for Llama's kind (``LlamaModel.permute``); ``drop``: tensors left out, ``named``: more
+    under their GGUF names, ``meta(writer)``: more keys."""
     import json
 
     import safetensors.torch
 
     from tests.test_bert_gguf import _bpe_vocab, _finish
     config = json.loads((hf_dir / "config.json").read_text())
-    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
-    writer.add_pooling_type(gguf.PoolingType.RANK)
-    writer.add_classifier_output_labels(["yes", "no"])
-    writer.add_chat_template([{"name": "rerank", "template": LLAMA_CPP_RERANK}])
+    if "head_dim" in config:
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    if _ARCHS[arch][2]:  # Llama's kind (`LlamaModel.set_gguf_parameters`)
+        writer.add_vocab_size(config["vocab_size"])
+        writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
+    if meta is not None:
+        meta(writer)
     _bpe_vocab(writer, hf_dir, config["vocab_size"])
     state = safetensors.torch.load_file(hf_dir / "model.safetensors")
-    head = state.pop("lm_head.weight")
-    _finish(writer, hf_dir, config, state, gguf.MODEL_ARCH.QWEN3, merges=True,
-            named={"cls.output.weight": torch.stack([head[yes], head[no]])})
+    for name in drop:
+        del state[name]
+    if _ARCHS[arch][2]:  # stored permuted
+        def permute(w, n):
+            return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+                w.shape)
+        for name in state:
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                state[name] = permute(state[name], heads if "q_proj" in name else kv_heads)
+    _finish(writer, hf_dir, config, state, gguf.MODEL_ARCH[arch.upper()], merges=True,
+            named=named)
+
+
+def write_qwen3_reranker_gguf(hf_dir, path, yes: int, no: int) -> None:
+    """``hf_dir``'s Qwen3ForCausalLM as llama.cpp's converter writes a Qwen3-Reranker:
+    pooling rank, labels yes and no, the LM head's ``yes`` and ``no`` rows as ``cls.output``
+    and no LM head, and the rerank template beside the chat template."""
+    def meta(writer):
+        writer.add_pooling_type(gguf.PoolingType.RANK)
+        writer.add_classifier_output_labels(["yes", "no"])
+        writer.add_chat_template([{"name": "rerank", "template": LLAMA_CPP_RERANK}])
+
+    import safetensors.torch
+    head = safetensors.torch.load_file(hf_dir / "model.safetensors")["lm_head.weight"]
+    write_decoder_gguf(hf_dir, path, "qwen3", meta=meta, drop=["lm_head.weight"],
+                       named={"cls.output.weight": torch.stack([head[yes], head[no]])})
 
 
 def test_a_qwen3_reranker_file_ranks_as_llama_server_scores_it(tmp_path):
@@ -350,3 +383,27 @@ def test_a_qwen3_reranker_file_ranks_as_llama_server_scores_it(tmp_path):
         assert [r["index"] for r in reply["results"]] == sorted(
             range(len(PROMPTS)), key=lambda i: -expected[i][1])
         assert reply["usage"]["prompt_tokens"] == sum(n for n, _ in expected)
+
+
+def test_a_smollm3_file_skips_rotary_every_fourth_layer(tmp_path):
+    """llama.cpp's SmolLM3 files name no NoPE layers: every fourth goes without rotary, as
+    transformers' default; heron's logits from the file match transformers' model of the
+    checkpoint it was written from, at every position."""
+    from heron.core.sampling_params import SamplingParams
+    from tests.engine_utils import LogitsRecorder, make_engine
+    from tests.tiny_models import build_tiny
+    hf_dir = tmp_path / "hf"
+    model = build_tiny("smollm3", hf_dir, num_hidden_layers=4, no_rope_layers=None)
+    assert model.config.no_rope_layers == [1, 1, 1, 0]
+    path = tmp_path / "tiny-smollm3.gguf"
+    write_decoder_gguf(hf_dir, path, "smollm3")
+    engine = make_engine(path)
+    recorder = LogitsRecorder(engine)
+    prompt = list(range(5, 45))
+    out, = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0,
+                                                    ignore_eos=True, prompt_logprobs=0))
+    ids = prompt + out.outputs[0].token_ids[:-1]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    mine = torch.stack([recorder.rows[(out.request_id, pos)] for pos in range(len(ids))])
+    torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)

@@ -25,6 +25,9 @@ FAMILIES = {
     "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig, {}),
     "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, {}),
     "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config, {"head_dim": 32}),
+    # SmolLM3's NoPE layers come every fourth; here the second of two
+    "smollm3": (transformers.SmolLM3ForCausalLM, transformers.SmolLM3Config,
+                {"no_rope_layers": [1, 0]}),
     # served by the heron-gpt2 plugin (plugin_template/), installed by `make test`
     "gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config, {"n_inner": 128}),
 }
@@ -36,6 +39,8 @@ BARE = {
     "mistral-bare": (transformers.MistralModel, transformers.MistralConfig, {}),
     "qwen2-bare": (transformers.Qwen2Model, transformers.Qwen2Config, {}),
     "qwen3-bare": (transformers.Qwen3Model, transformers.Qwen3Config, {"head_dim": 32}),
+    "smollm3-bare": (transformers.SmolLM3Model, transformers.SmolLM3Config,
+                     {"no_rope_layers": [1, 0]}),
 }
 
 # ... and with a score head in its place, as classifiers and cross-encoders are (the
@@ -49,6 +54,8 @@ CLASSIFIERS = {
                   {"num_labels": 1}),
     "qwen3-cls": (transformers.Qwen3ForSequenceClassification, transformers.Qwen3Config,
                   {"head_dim": 32, "num_labels": 1}),
+    "smollm3-cls": (transformers.SmolLM3ForSequenceClassification, transformers.SmolLM3Config,
+                    {"no_rope_layers": [1, 0], "num_labels": 2}),
 }
 
 ENCODER_COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                 "Qwen3ForCausalLM")
+                 "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
 # the same models saved without their LM head (embedding models): architecture -> with one
 BARE_ARCHITECTURES = {a.removesuffix("ForCausalLM") + "Model": a for a in ARCHITECTURES}
 # ... and with a score head in its place (classifiers, cross-encoders, reward models)
@@ -38,6 +38,8 @@ class TransformerConfig:
     # the window of layers that attend only to their last tokens (Mistral v0.1's 4096);
     # heron attends to the whole context, the same up to this many tokens
     sliding_window: int | None = None
+    # layers that attend without rotary embeddings (SmolLM3's NoPE layers, every fourth)
+    nope_layers: frozenset[int] = frozenset()
 
     @property
     def max_context_len(self) -> int:
@@ -88,7 +90,18 @@ class TransformerConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_ids=eos_ids,
             sliding_window=_sliding_window(cfg, arch),
+            nope_layers=_nope_layers(cfg) if arch == "SmolLM3ForCausalLM" else frozenset(),
         )
+
+
+def _nope_layers(cfg: dict) -> frozenset[int]:
+    """SmolLM3's layers without rotary: ``no_rope_layers`` (1: the layer rotates), else every
+    ``no_rope_layer_interval``-th layer (transformers' and llama.cpp's rule)."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        every = cfg.get("no_rope_layer_interval", 4)
+        flags = [(i + 1) % every != 0 for i in range(cfg["num_hidden_layers"])]
+    return frozenset(i for i, rotates in enumerate(flags) if not rotates)
 
 
 def _sliding_window(cfg: dict, arch: str) -> int | None:

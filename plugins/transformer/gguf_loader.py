@@ -50,6 +50,7 @@ _ARCHS = {
     "mistral": ("MistralForCausalLM", "mistral", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+    "smollm3": ("SmolLM3ForCausalLM", "smollm3", True),  # NoPE every fourth layer
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

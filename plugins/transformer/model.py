@@ -1,4 +1,4 @@
-"""Decoder-only transformer math (Llama / Mistral / Qwen2 / Qwen3) over paged KV.
+"""Decoder-only transformer math (Llama / Mistral / Qwen2 / Qwen3 / SmolLM3) over paged KV.
 
 Plain tensors and functional ops, no nn.Module: the weights are fused at load time
 (q/k/v into one projection, gate/up into one) so each layer is four matmuls.
@@ -194,6 +194,8 @@ class TransformerModel:
         self.classifier = ScoreHead(w.take("score.weight")) if cfg.has_score_head else None
         self.cos_sin = rope_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings,
                                           cfg.rope_theta, cfg.rope_scaling).to(device)
+        self.layer_cos_sin = [None if i in cfg.nope_layers else self.cos_sin
+                              for i in range(cfg.num_layers)]
         self.shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                     cfg.head_dim ** -0.5, cfg.rms_norm_eps)
         self.unused_tensors = sorted(k for k in w.tensors if "rotary_emb" not in k)
@@ -217,8 +219,8 @@ class TransformerModel:
                 h, _ = rms_norm(x, layer.input_norm, eps)
             else:
                 h, residual = rms_norm(x, layer.input_norm, eps, residual)
-            x = attention(h, layer.attn, self.shape, batch, cache.layer_kv(i), self.cos_sin,
-                          loras[i])
+            x = attention(h, layer.attn, self.shape, batch, cache.layer_kv(i),
+                          self.layer_cos_sin[i], loras[i])
             h, residual = rms_norm(x, layer.post_norm, eps, residual)
             x = gated_mlp(h, layer.gate_up, layer.down, layer.gate_up_bias, layer.down_bias,
                           loras[i])
