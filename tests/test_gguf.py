@@ -407,3 +407,33 @@ def test_a_smollm3_file_skips_rotary_every_fourth_layer(tmp_path):
         ref = model(torch.tensor([ids])).logits[0]
     mine = torch.stack([recorder.rows[(out.request_id, pos)] for pos in range(len(ids))])
     torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)
+
+
+def test_a_yarn_file_rotates_as_transformers(tmp_path):
+    """A file whose rope is YaRN-scaled (Qwen's long-context recipe, as the converter writes
+    it: type, factor, original context) matches transformers' model of its checkpoint past
+    the original context."""
+    from heron.core.sampling_params import SamplingParams
+    from tests.engine_utils import LogitsRecorder, make_engine
+    from tests.tiny_models import YARN_ROPE, build_tiny
+    hf_dir = tmp_path / "hf"
+    model = build_tiny("qwen3", hf_dir, head_dim=32, rope_parameters=YARN_ROPE,
+                       max_position_embeddings=256)
+
+    def meta(writer):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(YARN_ROPE["factor"])
+        writer.add_rope_scaling_orig_ctx_len(YARN_ROPE["original_max_position_embeddings"])
+
+    path = tmp_path / "tiny-qwen3-yarn.gguf"
+    write_decoder_gguf(hf_dir, path, "qwen3", meta=meta)
+    engine = make_engine(path)
+    recorder = LogitsRecorder(engine)
+    prompt = list(range(5, 105))
+    out, = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0,
+                                                    ignore_eos=True, prompt_logprobs=0))
+    ids = prompt + out.outputs[0].token_ids[:-1]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    mine = torch.stack([recorder.rows[(out.request_id, pos)] for pos in range(len(ids))])
+    torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)

@@ -102,3 +102,12 @@ def test_a_sliding_window_caps_the_context_where_attention_agrees(tmp_path, kind
     torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="context of 48 tokens"):
         engine.generate([prompt], SamplingParams(max_tokens=9))
+
+
+def test_a_yarn_context_is_its_original_context_times_its_factor(tmp_path):
+    """YaRN stretches the original context by its factor, as vLLM reads it: Qwen's
+    long-context recipe adds the scaling and leaves ``max_position_embeddings`` short."""
+    build_tiny("qwen3", tmp_path, head_dim=32, max_position_embeddings=160, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+        "original_max_position_embeddings": 128})
+    assert make_engine(tmp_path, **{"engine.num_kv_blocks": 128}).max_model_len == 1024

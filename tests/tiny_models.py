@@ -12,6 +12,11 @@ COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
               pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
 
+# YaRN as Qwen's long-context recipe adds it (beta defaults); the parity prompts run past
+# the original context
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+             "original_max_position_embeddings": 64}
+
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
@@ -25,6 +30,9 @@ FAMILIES = {
     "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig, {}),
     "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, {}),
     "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config, {"head_dim": 32}),
+    "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config,
+                   {"head_dim": 32, "rope_parameters": YARN_ROPE,
+                    "max_position_embeddings": 256}),
     # SmolLM3's NoPE layers come every fourth; here the second of two
     "smollm3": (transformers.SmolLM3ForCausalLM, transformers.SmolLM3Config,
                 {"no_rope_layers": [1, 0]}),

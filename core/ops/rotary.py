@@ -7,15 +7,22 @@ import math
 import torch
 
 
+def _rope_type(scaling: dict | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
 def rope_inv_freq(rot_dim: int, base: float, scaling: dict | None = None) -> torch.Tensor:
     """Inverse frequencies for ``rot_dim`` rotated dims, with optional rope scaling.
 
-    Supported ``scaling["rope_type"]``: ``default``, ``linear``, ``llama3``.
+    Supported ``scaling["rope_type"]``: ``default``, ``linear``, ``llama3``, ``yarn``
+    (whose cos and sin are also scaled: `rope_attention_factor`).
     """
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).double() / rot_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    rope_type = _rope_type(scaling)
     if rope_type == "default":
         return inv_freq.float()
+    if rope_type == "yarn":
+        return _yarn_inv_freq(rot_dim, base, scaling)
     if rope_type == "linear":
         return (inv_freq / scaling["factor"]).float()
     if rope_type == "llama3":
@@ -32,13 +39,55 @@ def rope_inv_freq(rot_dim: int, base: float, scaling: dict | None = None) -> tor
     raise ValueError(f"unsupported rope scaling type {rope_type!r}")
 
 
+def _yarn_inv_freq(rot_dim: int, base: float, scaling: dict) -> torch.Tensor:
+    """YaRN's frequencies (arXiv 2309.00071, as transformers computes them): the fastest
+    extrapolated, the slowest interpolated by ``factor``, a linear ramp between the
+    dimensions that turn ``beta_fast`` and ``beta_slow`` times over the original context."""
+    factor, context = scaling["factor"], scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_turning(turns: float) -> float:
+        return rot_dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_turning(fast), dim_turning(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot_dim - 1)
+    pos_freqs = base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim)
+    ramp = ((torch.arange(rot_dim // 2, dtype=torch.float32) - low)
+            / ((high - low) or 0.001)).clamp(0, 1)
+    return (1 / (factor * pos_freqs)) * ramp + (1 / pos_freqs) * (1 - ramp)
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What cos and sin are multiplied by (YaRN's attention temperature, so that the
+    logits grow by its square): ``attention_factor``, else from ``factor`` (and
+    DeepSeek's ``mscale`` / ``mscale_all_dim``); 1 for other rope types."""
+    if _rope_type(scaling) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def temperature(scale: float, mscale: float = 1) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    factor, mscale, all_dim = (scaling["factor"], scaling.get("mscale"),
+                               scaling.get("mscale_all_dim"))
+    if mscale and all_dim:
+        return temperature(factor, mscale) / temperature(factor, all_dim)
+    return temperature(factor)
+
+
 def rope_cos_sin_cache(rot_dim: int, max_positions: int, base: float,
                        scaling: dict | None = None) -> torch.Tensor:
-    """``[max_positions, rot_dim]`` float32: cos of each frequency, then sin."""
+    """``[max_positions, rot_dim]`` float32: cos of each frequency, then sin (times
+    `rope_attention_factor`)."""
     inv_freq = rope_inv_freq(rot_dim, base, scaling)
     t = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    factor = rope_attention_factor(scaling)
+    return cos_sin if factor == 1.0 else cos_sin * factor
 
 
 def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,

@@ -64,6 +64,12 @@ class TransformerConfig:
         scaling = rope or cfg.get("rope_scaling")
         if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
             scaling = None
+        positions = cfg.get("max_position_embeddings", 2048)
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn":
+            # YaRN stretches the original context by its factor (vLLM's reading; Qwen's
+            # long-context recipe adds the scaling and leaves the positions as they were)
+            positions = max(positions, int(scaling["original_max_position_embeddings"]
+                                           * (scaling.get("factor") or 1)))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         is_qwen2 = arch == "Qwen2ForCausalLM"
@@ -80,7 +86,7 @@ class TransformerConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             has_lm_head=not (bare or classifier),
             has_score_head=classifier,

@@ -128,8 +128,13 @@ def gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         rope = {"rope_type": scaling, "rope_theta": theta, "factor": float(key("rope.scaling.factor", 1.0))}
         if (orig := key("rope.scaling.original_context_length")) is not None:
             rope["original_max_position_embeddings"] = orig
-        if (attn := key("rope.scaling.attn_factor")) is not None:
-            rope["attention_factor"] = float(attn)
+        # YaRN's settings as the converter writes transformers' (yarn_attn_factor is their
+        # attention_factor, which llama.cpp's older files call attn_factor)
+        for gguf_key, name in (("attn_factor", "attention_factor"),
+                               ("yarn_attn_factor", "attention_factor"),
+                               ("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if (value := key(f"rope.scaling.{gguf_key}")) is not None:
+                rope[name] = float(value)
         config["rope_parameters"] = rope
         config["rope_scaling"] = dict(rope)
     if arch != "qwen2" and "blk.0.attn_q.bias" in names:
