@@ -244,15 +244,19 @@ class Tokenizer:
         elif kind == "gpt2":
             backend = _gguf_bpe(tokens, types, field("tokenizer.ggml.merges") or [],
                                 field("tokenizer.ggml.pre", "default"))
+        elif kind == "llama":
+            backend = _gguf_spm(tokens, types, field)
         else:
             raise ValueError(f"GGUF tokenizer.ggml.model {kind!r} is not supported "
-                             "(byte-level BPE, 'gpt2'; WordPiece, 'bert'; Unigram, 't5')")
-        if encoder or kind != "gpt2":
+                             "(byte-level BPE, 'gpt2'; sentencepiece BPE, 'llama'; "
+                             "WordPiece, 'bert'; Unigram, 't5')")
+        if encoder or kind not in ("gpt2", "llama"):
             return cls._gguf_encoder(backend, tokens, types, field)
         special = {name: _gguf_token(tokens, field, key) for name, key in
                    (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"),
                     ("pad_token", "padding"))}
-        add_bos = bool(field("tokenizer.ggml.add_bos_token", False))
+        # llama.cpp adds a BOS to sentencepiece vocabularies' texts unless the file says not
+        add_bos = bool(field("tokenizer.ggml.add_bos_token", kind == "llama"))
         _set_bos_eos_processor(backend, special, add_bos, bool(field("tokenizer.ggml.add_eos_token", False)))
         # End-of-turn / end-of-message tokens (Llama 3: <|eot_id|>, <|eom_id|>) also end generation.
         eos_ids = [i for i in (field("tokenizer.ggml.eot_token_id"), field("tokenizer.ggml.eom_token_id"))
@@ -334,6 +338,44 @@ def _gguf_unigram(tokens: list[str], types: list[int], field) -> tokenizers.Toke
         [tokenizers.pre_tokenizers.WhitespaceSplit(), words])
         if field("tokenizer.ggml.remove_extra_whitespaces", True) else words)
     backend.decoder = tokenizers.decoders.Metaspace(prepend_scheme=prepend)
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, k in zip(tokens, types) if k == 4])
+    return backend
+
+
+def _gguf_spm(tokens: list[str], types: list[int], field) -> tokenizers.Tokenizer:
+    """A sentencepiece BPE vocabulary (``tokenizer.ggml.model == "llama"``: Llama 2,
+    Mistral 7B, Phi-3...) tokenized as llama.cpp and sentencepiece do: spaces as ``▁``, one
+    more first (``add_space_prefix``, which llama.cpp also puts after each special token:
+    the normalizer runs on each stretch of text between them), adjacent pieces merged best
+    score first (merges ranked by the merged piece's score, the way transformers converts
+    these vocabularies), and a character no piece spells as its UTF-8 bytes' ``<0xNN>``
+    tokens."""
+    scores = field("tokenizer.ggml.scores")
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    pieces = {t: i for i, (t, k) in enumerate(zip(tokens, types, strict=True))
+              if k == 1 and vocab[t] == i}
+    merges = sorted(((scores[i], -pieces[t[:cut]], -pieces[t[cut:]], t[:cut], t[cut:])
+                     for t, i in pieces.items() for cut in range(1, len(t))
+                     if t[:cut] in pieces and t[cut:] in pieces), reverse=True)
+    unk = _gguf_token(tokens, field, "unknown")
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(
+        vocab, [(left, right) for *_, left, right in merges], unk_token=unk, fuse_unk=True,
+        byte_fallback=True))
+    spaces = tokenizers.normalizers.Replace(" ", "\u2581")
+    decode = [tokenizers.decoders.Replace("\u2581", " "), tokenizers.decoders.ByteFallback(),
+              tokenizers.decoders.Fuse()]
+    if field("tokenizer.ggml.add_space_prefix", True):
+        spaces = tokenizers.normalizers.Sequence(
+            [tokenizers.normalizers.Prepend("\u2581"), spaces])
+        decode.append(tokenizers.decoders.Strip(" ", 1, 0))  # the space put first
+    backend.normalizer = spaces
+    backend.decoder = tokenizers.decoders.Sequence(decode)
+    # llama.cpp matches its control, unknown and user-defined tokens in a text as they are
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(tokens, types) if k in (2, 3)])
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
                         for t, k in zip(tokens, types) if k == 4])
     return backend

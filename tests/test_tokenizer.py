@@ -323,3 +323,67 @@ def test_unknown_gguf_pre_tokenizer_warns(caplog):
     with caplog.at_level(logging.WARNING):
         _gguf_pre_tokenizer("some-future-model")
     assert "some-future-model" in caplog.text
+
+
+# -- a GGUF sentencepiece vocabulary vs sentencepiece --------------------------------------------
+def _llama_sentencepiece():
+    """A sentencepiece BPE trained as Llama 2's and Mistral 7B's vocabularies are: byte
+    fallback, no normalization, whitespace kept, a dummy prefix; Mistral v0.3's
+    ``[INST]`` / ``[/INST]`` control pieces."""
+    import io
+
+    import sentencepiece as spm
+
+    from tests.tiny_models import CORPUS
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter((CORPUS + TEXTS) * 5), model_writer=model, vocab_size=420,
+        model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, add_dummy_prefix=True, split_digits=True,
+        allow_whitespace_only_pieces=True, control_symbols=["[INST]", "[/INST]"],
+        unk_id=0, bos_id=1, eos_id=2, minloglevel=2)
+    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def _write_sentencepiece_gguf(sp, path) -> None:
+    """``sp``'s vocabulary as llama.cpp's converter writes one (`_create_vocab_sentencepiece`:
+    each piece, its score, its type), with the special tokens' ids."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([sp.id_to_piece(i) for i in range(sp.get_piece_size())])
+    writer.add_token_scores([sp.get_score(i) for i in range(sp.get_piece_size())])
+    writer.add_token_types([
+        gguf.TokenType.UNKNOWN if sp.is_unknown(i) else gguf.TokenType.CONTROL
+        if sp.is_control(i) else gguf.TokenType.UNUSED if sp.is_unused(i)
+        else gguf.TokenType.BYTE if sp.is_byte(i) else gguf.TokenType.NORMAL
+        for i in range(sp.get_piece_size())])
+    writer.add_bos_token_id(sp.bos_id())
+    writer.add_eos_token_id(sp.eos_id())
+    writer.add_unk_token_id(sp.unk_id())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+
+
+def test_a_gguf_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path):
+    """Llama 2's / Mistral 7B's kind of GGUF vocabulary (``tokenizer.ggml.model`` "llama"):
+    every text's ids are sentencepiece's own (byte fallback for what no piece spells), a BOS
+    first unless asked not, decoding gives the text back; a control token in the text is
+    that token, and the text after it gets the space llama.cpp puts after special tokens."""
+    pytest.importorskip("sentencepiece")
+    sp = _llama_sentencepiece()
+    _write_sentencepiece_gguf(sp, tmp_path / "spm.gguf")
+    ours = Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "spm.gguf"))
+    fallbacks = 0
+    for text in TEXTS + ["characters it never saw: \u2603 \u046c\u046a \U0001d518\U0001d52b"]:
+        ids = sp.encode(text)
+        assert ours.encode(text, add_special_tokens=False) == ids, text
+        assert ours.encode(text) == [sp.bos_id()] + ids
+        assert ours.decode(ids) == sp.decode(ids), text
+        fallbacks += sum(sp.is_byte(i) for i in ids)
+    assert fallbacks >= 10  # what it never saw went byte by byte
+    inst, end = sp.piece_to_id("[INST]"), sp.piece_to_id("[/INST]")
+    assert ours.encode("[INST] What is 2+2? [/INST]", add_special_tokens=False) == [
+        inst, *sp.encode(" What is 2+2? "), end]
+    assert ours.all_special_ids == sorted([sp.unk_id(), sp.bos_id(), sp.eos_id(), inst, end])
