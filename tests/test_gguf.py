@@ -437,3 +437,39 @@ def test_a_yarn_file_rotates_as_transformers(tmp_path):
         ref = model(torch.tensor([ids])).logits[0]
     mine = torch.stack([recorder.rows[(out.request_id, pos)] for pos in range(len(ids))])
     torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)
+
+
+def test_a_phi3_file_with_fused_projections_matches_transformers(tmp_path):
+    """llama.cpp's Phi-3 files keep q/k/v (``attn_qkv``) and gate/up (``ffn_up``) fused and
+    name the rotated dims (``rope.dimension_count``, half a head here); heron's logits from
+    one match transformers' model of its checkpoint. A LongRoPE file is refused by name."""
+    from heron.core.sampling_params import SamplingParams
+    from tests.engine_utils import LogitsRecorder, make_engine
+    from tests.tiny_models import build_tiny
+    hf_dir = tmp_path / "hf"
+    model = build_tiny("phi3", hf_dir)
+
+    def meta(writer):  # as `Phi3MiniModel.set_gguf_parameters` adds them
+        writer.add_rope_scaling_orig_ctx_len(model.config.original_max_position_embeddings)
+        writer.add_rope_dimension_count(8)
+        writer.add_sliding_window(0)
+
+    path = tmp_path / "tiny-phi3.gguf"
+    write_decoder_gguf(hf_dir, path, "phi3", meta=meta)
+    engine = make_engine(path)
+    recorder = LogitsRecorder(engine)
+    prompt = list(range(5, 45))
+    out, = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0,
+                                                    ignore_eos=True, prompt_logprobs=0))
+    ids = prompt + out.outputs[0].token_ids[:-1]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    mine = torch.stack([recorder.rows[(out.request_id, pos)] for pos in range(len(ids))])
+    torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)
+    longrope = tmp_path / "longrope.gguf"
+    factors = torch.ones(4)
+    write_decoder_gguf(hf_dir, longrope, "phi3", meta=meta,
+                       named={"rope_factors_long.weight": factors,
+                              "rope_factors_short.weight": factors})
+    with pytest.raises(ValueError, match="LongRoPE"):
+        load_gguf(longrope)

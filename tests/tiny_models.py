@@ -33,6 +33,9 @@ FAMILIES = {
     "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config,
                    {"head_dim": 32, "rope_parameters": YARN_ROPE,
                     "max_position_embeddings": 256}),
+    # Phi-3's q/k/v and gate/up fused; half of each head rotating (Phi-4-mini's is 3/4)
+    "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config,
+             {"partial_rotary_factor": 0.5}),
     # SmolLM3's NoPE layers come every fourth; here the second of two
     "smollm3": (transformers.SmolLM3ForCausalLM, transformers.SmolLM3Config,
                 {"no_rope_layers": [1, 0]}),
@@ -47,6 +50,8 @@ BARE = {
     "mistral-bare": (transformers.MistralModel, transformers.MistralConfig, {}),
     "qwen2-bare": (transformers.Qwen2Model, transformers.Qwen2Config, {}),
     "qwen3-bare": (transformers.Qwen3Model, transformers.Qwen3Config, {"head_dim": 32}),
+    "phi3-bare": (transformers.Phi3Model, transformers.Phi3Config,
+                  {"partial_rotary_factor": 0.5}),
     "smollm3-bare": (transformers.SmolLM3Model, transformers.SmolLM3Config,
                      {"no_rope_layers": [1, 0]}),
 }
@@ -62,6 +67,8 @@ CLASSIFIERS = {
                   {"num_labels": 1}),
     "qwen3-cls": (transformers.Qwen3ForSequenceClassification, transformers.Qwen3Config,
                   {"head_dim": 32, "num_labels": 1}),
+    "phi3-cls": (transformers.Phi3ForSequenceClassification, transformers.Phi3Config,
+                 {"partial_rotary_factor": 0.5, "num_labels": 1}),
     "smollm3-cls": (transformers.SmolLM3ForSequenceClassification, transformers.SmolLM3Config,
                     {"no_rope_layers": [1, 0], "num_labels": 2}),
 }

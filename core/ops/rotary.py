@@ -36,7 +36,8 @@ def rope_inv_freq(rot_dim: int, base: float, scaling: dict | None = None) -> tor
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_medium, smoothed, scaled).float()
-    raise ValueError(f"unsupported rope scaling type {rope_type!r}")
+    raise ValueError(f"unsupported rope scaling type {rope_type!r} (heron serves default, "
+                     "linear, llama3 and yarn)")
 
 
 def _yarn_inv_freq(rot_dim: int, base: float, scaling: dict) -> torch.Tensor:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                 "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
+                 "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
 # the same models saved without their LM head (embedding models): architecture -> with one
 BARE_ARCHITECTURES = {a.removesuffix("ForCausalLM") + "Model": a for a in ARCHITECTURES}
 # ... and with a score head in its place (classifiers, cross-encoders, reward models)
@@ -40,6 +40,8 @@ class TransformerConfig:
     sliding_window: int | None = None
     # layers that attend without rotary embeddings (SmolLM3's NoPE layers, every fourth)
     nope_layers: frozenset[int] = frozenset()
+    # the dims of each head that rotate, the first ones (Phi's partial_rotary_factor); 0: all
+    rotary_dim: int = 0
 
     @property
     def max_context_len(self) -> int:
@@ -61,6 +63,7 @@ class TransformerConfig:
         # `rope_theta` + `rope_scaling`
         rope = dict(cfg.get("rope_parameters") or {})
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        partial = rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor", 1.0)
         scaling = rope or cfg.get("rope_scaling")
         if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
             scaling = None
@@ -97,6 +100,7 @@ class TransformerConfig:
             eos_token_ids=eos_ids,
             sliding_window=_sliding_window(cfg, arch),
             nope_layers=_nope_layers(cfg) if arch == "SmolLM3ForCausalLM" else frozenset(),
+            rotary_dim=int(head_dim * partial),
         )
 
 
@@ -115,7 +119,7 @@ def _sliding_window(cfg: dict, arch: str) -> int | None:
     Mistral's ``sliding_window``; Qwen2's and Qwen3's where ``layer_types`` (or, in older
     configs, ``use_sliding_window`` and ``max_window_layers``) give layers one."""
     window = cfg.get("sliding_window")
-    if arch == "MistralForCausalLM" or not window:
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM") or not window:  # every layer's
         return window or None
     if "layer_types" in cfg:
         return window if "sliding_attention" in cfg["layer_types"] else None

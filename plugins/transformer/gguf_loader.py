@@ -51,6 +51,7 @@ _ARCHS = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
     "smollm3": ("SmolLM3ForCausalLM", "smollm3", True),  # NoPE every fourth layer
+    "phi3": ("Phi3ForCausalLM", "phi3", False),  # q/k/v and gate/up fused
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -64,10 +65,15 @@ _LAYER_NAMES = {
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_qkv": "self_attn.qkv_proj",
 }
+# architectures whose files name some layer tensors otherwise: Phi-3's ffn_up is gate and up
+_ARCH_LAYER_NAMES = {"phi3": {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Precomputed rotary frequency factors (Llama 3.1 rope scaling); transformers ignores them too.
 _IGNORED = ("rope_freqs.weight",)
+# LongRoPE's factors (Phi-3.5, Phi-4-mini), which switch with the context's length
+_LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
@@ -91,6 +97,9 @@ def gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHS)})")
     hf_arch, model_type, _ = _ARCHS[arch]
     names = {t.name for t in reader.tensors}
+    if names & set(_LONGROPE):
+        raise ValueError("this file's rope is LongRoPE (rope_factors_long / _short: Phi-3.5, "
+                         "Phi-4-mini), which heron does not serve")
     ranks = "cls.output.weight" in names
     if ranks:  # a sequence classifier: the engine pools it (`heron.core.pooling`)
         hf_arch = hf_arch.removesuffix("ForCausalLM") + "ForSequenceClassification"
@@ -123,6 +132,11 @@ def gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
     }
+    rotated = key("rope.dimension_count")
+    if rotated and rotated != config["head_dim"]:  # Phi's partial rotary
+        config["partial_rotary_factor"] = rotated / config["head_dim"]
+    if window := key("attention.sliding_window"):  # Phi-3's; 0 for none (Phi-4)
+        config["sliding_window"] = window
     scaling = key("rope.scaling.type")
     if scaling not in (None, "none"):
         rope = {"rope_type": scaling, "rope_theta": theta, "factor": float(key("rope.scaling.factor", 1.0))}
@@ -206,7 +220,9 @@ def load_gguf(path: str | Path, keep_quantized: bool = False, int8_activations: 
     path = Path(path)
     reader = read_gguf(path)
     config = gguf_config(reader)
-    permuted = _ARCHS[_field(reader, "general.architecture")][2]
+    arch = _field(reader, "general.architecture")
+    permuted = _ARCHS[arch][2]
+    layer_names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
     n_heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     state_dict: dict[str, torch.Tensor] = {}
     bar = tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor",
@@ -215,7 +231,7 @@ def load_gguf(path: str | Path, keep_quantized: bool = False, int8_activations: 
         if tensor.name in _IGNORED:
             log.warning("%s: ignoring %s (not used by heron)", path.name, tensor.name)
             continue
-        name = hf_name(tensor.name, _GLOBAL_NAMES, _LAYER_NAMES, "model.layers")
+        name = hf_name(tensor.name, _GLOBAL_NAMES, layer_names, "model.layers")
         proj = name.split(".")[-2]
         tied_head = name == "model.embed_tokens.weight" and config["tie_word_embeddings"]
         kept = _kept(tensor, int8_activations) if keep_quantized and (

@@ -1,4 +1,5 @@
-"""Decoder-only transformer math (Llama / Mistral / Qwen2 / Qwen3 / SmolLM3) over paged KV.
+"""Decoder-only transformer math (Llama / Mistral / Phi-3 / Qwen2 / Qwen3 / SmolLM3) over
+paged KV.
 
 Plain tensors and functional ops, no nn.Module: the weights are fused at load time
 (q/k/v into one projection, gate/up into one) so each layer is four matmuls.
@@ -156,9 +157,15 @@ def gated_mlp(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 
 
 def load_layer(w: Weights, p: str, cfg: TransformerConfig) -> LayerWeights:
-    """The decoder layer whose HF tensors start with ``p`` (``model.layers.3.``)."""
+    """The decoder layer whose HF tensors start with ``p`` (``model.layers.3.``); q/k/v and
+    gate/up come apart, or fused already (Phi-3's ``qkv_proj`` and ``gate_up_proj``)."""
     attn, mlp = p + "self_attn.", p + "mlp."
     qkv_names = [attn + f"{n}_proj" for n in "qkv"]
+    if attn + "qkv_proj.weight" in w.tensors:
+        qkv_names = [attn + "qkv_proj"]
+    gate_up_names = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+    if mlp + "gate_up_proj.weight" in w.tensors:
+        gate_up_names = [mlp + "gate_up_proj.weight"]
     return LayerWeights(
         input_norm=w.take(p + "input_layernorm.weight"),
         attn=AttentionWeights(
@@ -169,7 +176,7 @@ def load_layer(w: Weights, p: str, cfg: TransformerConfig) -> LayerWeights:
             q_norm=w.take(attn + "q_norm.weight") if cfg.qk_norm else None,
             k_norm=w.take(attn + "k_norm.weight") if cfg.qk_norm else None),
         post_norm=w.take(p + "post_attention_layernorm.weight"),
-        gate_up=pack_weight(w.cat([mlp + "gate_proj.weight", mlp + "up_proj.weight"])),
+        gate_up=pack_weight(w.cat(gate_up_names)),
         gate_up_bias=(w.cat([mlp + "gate_proj.bias", mlp + "up_proj.bias"])
                       if cfg.mlp_bias else None),
         down=pack_weight(w.take(mlp + "down_proj.weight")),
@@ -192,8 +199,9 @@ class TransformerModel:
         self.lm_head = pack_weight(lm_head)  # None: a bare model, which only embeds
         # a classifier's score head, which the engine's pooler applies
         self.classifier = ScoreHead(w.take("score.weight")) if cfg.has_score_head else None
-        self.cos_sin = rope_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings,
-                                          cfg.rope_theta, cfg.rope_scaling).to(device)
+        self.cos_sin = rope_cos_sin_cache(cfg.rotary_dim or cfg.head_dim,
+                                          cfg.max_position_embeddings, cfg.rope_theta,
+                                          cfg.rope_scaling).to(device)
         self.layer_cos_sin = [None if i in cfg.nope_layers else self.cos_sin
                               for i in range(cfg.num_layers)]
         self.shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
