@@ -473,3 +473,34 @@ def test_a_phi3_file_with_fused_projections_matches_transformers(tmp_path):
                               "rope_factors_short.weight": factors})
     with pytest.raises(ValueError, match="LongRoPE"):
         load_gguf(longrope)
+
+
+def test_a_granite_file_carries_its_multipliers(tmp_path):
+    """llama.cpp's Granite files keep the multipliers as ``embedding_scale``,
+    ``residual_scale``, ``attention.scale`` and ``logit_scale``; heron's logits from one
+    match transformers' model of its checkpoint."""
+    from heron.core.sampling_params import SamplingParams
+    from tests.engine_utils import LogitsRecorder, make_engine
+    from tests.tiny_models import build_tiny
+    hf_dir = tmp_path / "hf"
+    model = build_tiny("granite", hf_dir)
+    c = model.config
+
+    def meta(writer):  # as `GraniteModel.set_gguf_parameters` adds them
+        writer.add_attention_scale(c.attention_multiplier)
+        writer.add_embedding_scale(c.embedding_multiplier)
+        writer.add_residual_scale(c.residual_multiplier)
+        writer.add_logit_scale(c.logits_scaling)
+
+    path = tmp_path / "tiny-granite.gguf"
+    write_decoder_gguf(hf_dir, path, "granite", meta=meta)
+    engine = make_engine(path)
+    recorder = LogitsRecorder(engine)
+    prompt = list(range(5, 45))
+    out, = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0,
+                                                    ignore_eos=True, prompt_logprobs=0))
+    ids = prompt + out.outputs[0].token_ids[:-1]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    mine = torch.stack([recorder.rows[(out.request_id, pos)] for pos in range(len(ids))])
+    torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)

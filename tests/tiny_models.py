@@ -33,6 +33,11 @@ FAMILIES = {
     "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config,
                    {"head_dim": 32, "rope_parameters": YARN_ROPE,
                     "max_position_embeddings": 256}),
+    # Granite's multipliers: granite-3.3-8b's for the embeddings and residuals; for attention
+    # and logits ones that suit a tiny model (its logits stay past 1)
+    "granite": (transformers.GraniteForCausalLM, transformers.GraniteConfig,
+                {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                 "attention_multiplier": 0.09, "logits_scaling": 4.0}),
     # Phi-3's q/k/v and gate/up fused; half of each head rotating (Phi-4-mini's is 3/4)
     "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config,
              {"partial_rotary_factor": 0.5}),
@@ -50,6 +55,9 @@ BARE = {
     "mistral-bare": (transformers.MistralModel, transformers.MistralConfig, {}),
     "qwen2-bare": (transformers.Qwen2Model, transformers.Qwen2Config, {}),
     "qwen3-bare": (transformers.Qwen3Model, transformers.Qwen3Config, {"head_dim": 32}),
+    "granite-bare": (transformers.GraniteModel, transformers.GraniteConfig,
+                     {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                      "attention_multiplier": 0.09}),
     "phi3-bare": (transformers.Phi3Model, transformers.Phi3Config,
                   {"partial_rotary_factor": 0.5}),
     "smollm3-bare": (transformers.SmolLM3Model, transformers.SmolLM3Config,

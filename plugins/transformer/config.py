@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
-                 "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
+ARCHITECTURES = ("GraniteForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+                 "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                 "SmolLM3ForCausalLM")
 # the same models saved without their LM head (embedding models): architecture -> with one
 BARE_ARCHITECTURES = {a.removesuffix("ForCausalLM") + "Model": a for a in ARCHITECTURES}
-# ... and with a score head in its place (classifiers, cross-encoders, reward models)
+# ... and with a score head in its place (classifiers, cross-encoders, reward models; Granite
+# has no such form in transformers)
 CLASSIFIER_ARCHITECTURES = {a.removesuffix("ForCausalLM") + "ForSequenceClassification": a
-                            for a in ARCHITECTURES}
+                            for a in ARCHITECTURES if a != "GraniteForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,13 @@ class TransformerConfig:
     nope_layers: frozenset[int] = frozenset()
     # the dims of each head that rotate, the first ones (Phi's partial_rotary_factor); 0: all
     rotary_dim: int = 0
+    # Granite's constants: the embeddings and each layer's attention and MLP outputs are
+    # multiplied, the logits divided; attention scores scaled by attention_multiplier
+    # (None: head_dim ** -0.5)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     @property
     def max_context_len(self) -> int:
@@ -101,6 +110,10 @@ class TransformerConfig:
             sliding_window=_sliding_window(cfg, arch),
             nope_layers=_nope_layers(cfg) if arch == "SmolLM3ForCausalLM" else frozenset(),
             rotary_dim=int(head_dim * partial),
+            embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+            attention_multiplier=cfg.get("attention_multiplier"),
+            logits_scaling=float(cfg.get("logits_scaling", 1.0)),
         )
 
 

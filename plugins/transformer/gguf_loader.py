@@ -52,6 +52,7 @@ _ARCHS = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
     "smollm3": ("SmolLM3ForCausalLM", "smollm3", True),  # NoPE every fourth layer
     "phi3": ("Phi3ForCausalLM", "phi3", False),  # q/k/v and gate/up fused
+    "granite": ("GraniteForCausalLM", "granite", True),  # and its multipliers
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -132,6 +133,12 @@ def gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
     }
+    for gguf_key, name in (("embedding_scale", "embedding_multiplier"),
+                           ("residual_scale", "residual_multiplier"),
+                           ("attention.scale", "attention_multiplier"),
+                           ("logit_scale", "logits_scaling")):  # Granite's
+        if (value := key(gguf_key)) is not None:
+            config[name] = float(value)
     rotated = key("rope.dimension_count")
     if rotated and rotated != config["head_dim"]:  # Phi's partial rotary
         config["partial_rotary_factor"] = rotated / config["head_dim"]

@@ -1,5 +1,5 @@
-"""Decoder-only transformer math (Llama / Mistral / Phi-3 / Qwen2 / Qwen3 / SmolLM3) over
-paged KV.
+"""Decoder-only transformer math (Llama / Mistral / Granite / Phi-3 / Qwen2 / Qwen3 /
+SmolLM3) over paged KV.
 
 Plain tensors and functional ops, no nn.Module: the weights are fused at load time
 (q/k/v into one projection, gate/up into one) so each layer is four matmuls.
@@ -205,7 +205,8 @@ class TransformerModel:
         self.layer_cos_sin = [None if i in cfg.nope_layers else self.cos_sin
                               for i in range(cfg.num_layers)]
         self.shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                    cfg.head_dim ** -0.5, cfg.rms_norm_eps)
+                                    cfg.attention_multiplier or cfg.head_dim ** -0.5,
+                                    cfg.rms_norm_eps)
         self.unused_tensors = sorted(k for k in w.tensors if "rotary_emb" not in k)
 
     def forward(self, batch: Batch, cache: CacheTensors,
@@ -218,6 +219,9 @@ class TransformerModel:
         eps = self.cfg.rms_norm_eps
         taps = {}
         x = F.embedding(batch.input_ids, self.embed)
+        if self.cfg.embedding_multiplier != 1.0:
+            x = x * self.cfg.embedding_multiplier
+        scale = self.cfg.residual_multiplier
         loras = layer_loras(cache.lora, cache.lora_scaling, batch.lora_slots,
                             batch.lora_groups, len(self.layers))
         residual = None
@@ -229,9 +233,13 @@ class TransformerModel:
                 h, residual = rms_norm(x, layer.input_norm, eps, residual)
             x = attention(h, layer.attn, self.shape, batch, cache.layer_kv(i),
                           self.layer_cos_sin[i], loras[i])
+            if scale != 1.0:
+                x = x * scale
             h, residual = rms_norm(x, layer.post_norm, eps, residual)
             x = gated_mlp(h, layer.gate_up, layer.down, layer.gate_up_bias, layer.down_bias,
                           loras[i])
+            if scale != 1.0:
+                x = x * scale
             if hidden_out is not None and i + 1 in hidden_layers:
                 taps[i + 1] = rms_norm(x, self.final_norm, eps, residual)[0]
         rows = batch.logits_indices
@@ -248,4 +256,5 @@ class TransformerModel:
             if h.shape[0]:
                 raise ValueError("a model without an LM head serves embeddings or labels only")
             return h.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
-        return linear(h, self.lm_head).float()
+        logits = linear(h, self.lm_head).float()
+        return logits if self.cfg.logits_scaling == 1.0 else logits / self.cfg.logits_scaling
