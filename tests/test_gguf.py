@@ -504,3 +504,35 @@ def test_a_granite_file_carries_its_multipliers(tmp_path):
         ref = model(torch.tensor([ids])).logits[0]
     mine = torch.stack([recorder.rows[(out.request_id, pos)] for pos in range(len(ids))])
     torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)
+
+
+def test_an_olmo2_file_norms_after_its_sublayers(tmp_path):
+    """llama.cpp's OLMo 2 files: norms on the attention's and MLP's outputs
+    (``post_attention_norm``, ``post_ffw_norm``) and q/k norms over all heads; heron's
+    logits from one match transformers' model of its checkpoint. An OLMo 3 file (the same
+    architecture, three layers in four windowed) is served up to its window."""
+    from heron.core.sampling_params import SamplingParams
+    from tests.engine_utils import LogitsRecorder, make_engine
+    from tests.tiny_models import build_tiny
+    hf_dir = tmp_path / "hf"
+    model = build_tiny("olmo2", hf_dir)
+    path = tmp_path / "tiny-olmo2.gguf"
+    write_decoder_gguf(hf_dir, path, "olmo2")
+    engine = make_engine(path)
+    recorder = LogitsRecorder(engine)
+    prompt = list(range(5, 45))
+    out, = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0,
+                                                    ignore_eos=True, prompt_logprobs=0))
+    ids = prompt + out.outputs[0].token_ids[:-1]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    mine = torch.stack([recorder.rows[(out.request_id, pos)] for pos in range(len(ids))])
+    torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)
+
+    def olmo3(writer):  # as the converter writes OLMo 3's
+        writer.add_sliding_window(64)
+        writer.add_sliding_window_pattern([True, False])
+
+    windowed = tmp_path / "tiny-olmo3.gguf"
+    write_decoder_gguf(hf_dir, windowed, "olmo2", meta=olmo3)
+    assert make_engine(windowed).max_model_len == 64

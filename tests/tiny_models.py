@@ -38,6 +38,8 @@ FAMILIES = {
     "granite": (transformers.GraniteForCausalLM, transformers.GraniteConfig,
                 {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                  "attention_multiplier": 0.09, "logits_scaling": 4.0}),
+    # OLMo 2's norms after attention and MLP, q/k norms over all heads
+    "olmo2": (transformers.Olmo2ForCausalLM, transformers.Olmo2Config, {}),
     # Phi-3's q/k/v and gate/up fused; half of each head rotating (Phi-4-mini's is 3/4)
     "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config,
              {"partial_rotary_factor": 0.5}),
@@ -58,6 +60,7 @@ BARE = {
     "granite-bare": (transformers.GraniteModel, transformers.GraniteConfig,
                      {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                       "attention_multiplier": 0.09}),
+    "olmo2-bare": (transformers.Olmo2Model, transformers.Olmo2Config, {}),
     "phi3-bare": (transformers.Phi3Model, transformers.Phi3Config,
                   {"partial_rotary_factor": 0.5}),
     "smollm3-bare": (transformers.SmolLM3Model, transformers.SmolLM3Config,
@@ -75,6 +78,8 @@ CLASSIFIERS = {
                   {"num_labels": 1}),
     "qwen3-cls": (transformers.Qwen3ForSequenceClassification, transformers.Qwen3Config,
                   {"head_dim": 32, "num_labels": 1}),
+    "olmo2-cls": (transformers.Olmo2ForSequenceClassification, transformers.Olmo2Config,
+                  {"num_labels": 1}),
     "phi3-cls": (transformers.Phi3ForSequenceClassification, transformers.Phi3Config,
                  {"partial_rotary_factor": 0.5, "num_labels": 1}),
     "smollm3-cls": (transformers.SmolLM3ForSequenceClassification, transformers.SmolLM3Config,

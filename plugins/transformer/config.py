@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ARCHITECTURES = ("GraniteForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
-                 "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                 "SmolLM3ForCausalLM")
+                 "Olmo2ForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
+                 "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
 # the same models saved without their LM head (embedding models): architecture -> with one
 BARE_ARCHITECTURES = {a.removesuffix("ForCausalLM") + "Model": a for a in ARCHITECTURES}
 # ... and with a score head in its place (classifiers, cross-encoders, reward models; Granite
@@ -51,6 +51,9 @@ class TransformerConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # OLMo 2's layers norm their attention's and MLP's outputs before adding them, rather
+    # than their inputs, and its q/k norms span all heads
+    norms_after: bool = False
 
     @property
     def max_context_len(self) -> int:
@@ -105,7 +108,7 @@ class TransformerConfig:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Olmo2ForCausalLM", "Qwen3ForCausalLM"),
             eos_token_ids=eos_ids,
             sliding_window=_sliding_window(cfg, arch),
             nope_layers=_nope_layers(cfg) if arch == "SmolLM3ForCausalLM" else frozenset(),
@@ -114,6 +117,7 @@ class TransformerConfig:
             residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
             attention_multiplier=cfg.get("attention_multiplier"),
             logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+            norms_after=arch == "Olmo2ForCausalLM",
         )
 
 

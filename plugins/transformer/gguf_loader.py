@@ -53,6 +53,7 @@ _ARCHS = {
     "smollm3": ("SmolLM3ForCausalLM", "smollm3", True),  # NoPE every fourth layer
     "phi3": ("Phi3ForCausalLM", "phi3", False),  # q/k/v and gate/up fused
     "granite": ("GraniteForCausalLM", "granite", True),  # and its multipliers
+    "olmo2": ("Olmo2ForCausalLM", "olmo2", False),
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -67,6 +68,8 @@ _LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_qkv": "self_attn.qkv_proj",
+    "post_attention_norm": "post_attention_layernorm",  # OLMo 2's norms after
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 # architectures whose files name some layer tensors otherwise: Phi-3's ffn_up is gate and up
 _ARCH_LAYER_NAMES = {"phi3": {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}}
@@ -144,6 +147,9 @@ def gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         config["partial_rotary_factor"] = rotated / config["head_dim"]
     if window := key("attention.sliding_window"):  # Phi-3's; 0 for none (Phi-4)
         config["sliding_window"] = window
+        if pattern := _field(reader, f"{arch}.attention.sliding_window_pattern"):  # OLMo 3's
+            config["layer_types"] = ["sliding_attention" if windowed else "full_attention"
+                                     for windowed in pattern]
     scaling = key("rope.scaling.type")
     if scaling not in (None, "none"):
         rope = {"rope_type": scaling, "rope_theta": theta, "factor": float(key("rope.scaling.factor", 1.0))}

@@ -1,5 +1,5 @@
-"""Decoder-only transformer math (Llama / Mistral / Granite / Phi-3 / Qwen2 / Qwen3 /
-SmolLM3) over paged KV.
+"""Decoder-only transformer math (Llama / Mistral / Granite / OLMo 2 / Phi-3 / Qwen2 / Qwen3
+/ SmolLM3) over paged KV.
 
 Plain tensors and functional ops, no nn.Module: the weights are fused at load time
 (q/k/v into one projection, gate/up into one) so each layer is four matmuls.
@@ -31,7 +31,8 @@ class AttentionWeights:
     o: torch.Tensor                 # [hidden, Hq D]
     qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
-    q_norm: torch.Tensor | None = None  # [D], per-head RMSNorm before rotary (Qwen3)
+    # RMSNorm before rotary: per head, [D] (Qwen3), or over all heads, [H D] (OLMo 2)
+    q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
 
 
@@ -54,13 +55,14 @@ class AttentionShape:
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor
+    input_norm: torch.Tensor | None  # None where the norms come after (OLMo 2)
     attn: AttentionWeights
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor  # before the MLP, or on the attention's output (OLMo 2)
     gate_up: torch.Tensor
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor
     down_bias: torch.Tensor | None
+    mlp_norm: torch.Tensor | None = None  # on the MLP's output (OLMo 2)
 
 
 class Weights:
@@ -107,9 +109,12 @@ def qkv_heads(h: torch.Tensor, w: AttentionWeights, shape: AttentionShape,
     # once a layer, and on the CPU each torch call costs microseconds
     q, k, v = qkv.view(num_tokens, -1, shape.head_dim).split_with_sizes(
         [shape.num_heads, shape.num_kv_heads, shape.num_kv_heads], dim=1)
-    if w.q_norm is not None:
+    if w.q_norm is not None and len(w.q_norm) == shape.head_dim:
         q, _ = rms_norm(q, w.q_norm, shape.eps)
         k, _ = rms_norm(k, w.k_norm, shape.eps)
+    elif w.q_norm is not None:  # over all heads
+        q = rms_norm(q.reshape(num_tokens, -1), w.q_norm, shape.eps)[0].view(q.shape)
+        k = rms_norm(k.reshape(num_tokens, -1), w.k_norm, shape.eps)[0].view(k.shape)
     if cos_sin is not None:
         q, k = rotary(q, k, positions, cos_sin)
     return q, k, v
@@ -167,7 +172,7 @@ def load_layer(w: Weights, p: str, cfg: TransformerConfig) -> LayerWeights:
     if mlp + "gate_up_proj.weight" in w.tensors:
         gate_up_names = [mlp + "gate_up_proj.weight"]
     return LayerWeights(
-        input_norm=w.take(p + "input_layernorm.weight"),
+        input_norm=None if cfg.norms_after else w.take(p + "input_layernorm.weight"),
         attn=AttentionWeights(
             qkv=pack_weight(w.cat([n + ".weight" for n in qkv_names])),
             qkv_bias=w.cat([n + ".bias" for n in qkv_names]) if cfg.qkv_bias else None,
@@ -181,6 +186,7 @@ def load_layer(w: Weights, p: str, cfg: TransformerConfig) -> LayerWeights:
                       if cfg.mlp_bias else None),
         down=pack_weight(w.take(mlp + "down_proj.weight")),
         down_bias=w.take(mlp + "down_proj.bias") if cfg.mlp_bias else None,
+        mlp_norm=w.take(p + "post_feedforward_layernorm.weight") if cfg.norms_after else None,
     )
 
 
@@ -226,20 +232,28 @@ class TransformerModel:
                             batch.lora_groups, len(self.layers))
         residual = None
         for i, layer in enumerate(self.layers):
-            if residual is None:
-                residual = x
-                h, _ = rms_norm(x, layer.input_norm, eps)
-            else:
-                h, residual = rms_norm(x, layer.input_norm, eps, residual)
-            x = attention(h, layer.attn, self.shape, batch, cache.layer_kv(i),
-                          self.layer_cos_sin[i], loras[i])
-            if scale != 1.0:
-                x = x * scale
-            h, residual = rms_norm(x, layer.post_norm, eps, residual)
-            x = gated_mlp(h, layer.gate_up, layer.down, layer.gate_up_bias, layer.down_bias,
-                          loras[i])
-            if scale != 1.0:
-                x = x * scale
+            if layer.input_norm is None:  # norms after (OLMo 2): x is the whole stream
+                h = attention(x, layer.attn, self.shape, batch, cache.layer_kv(i),
+                              self.layer_cos_sin[i], loras[i])
+                x = x + rms_norm(h, layer.post_norm, eps)[0]
+                h = gated_mlp(x, layer.gate_up, layer.down, layer.gate_up_bias,
+                              layer.down_bias, loras[i])
+                x = x + rms_norm(h, layer.mlp_norm, eps)[0]
+            else:  # x is a layer's output, which the next norm adds to residual
+                if residual is None:
+                    residual = x
+                    h, _ = rms_norm(x, layer.input_norm, eps)
+                else:
+                    h, residual = rms_norm(x, layer.input_norm, eps, residual)
+                x = attention(h, layer.attn, self.shape, batch, cache.layer_kv(i),
+                              self.layer_cos_sin[i], loras[i])
+                if scale != 1.0:
+                    x = x * scale
+                h, residual = rms_norm(x, layer.post_norm, eps, residual)
+                x = gated_mlp(h, layer.gate_up, layer.down, layer.gate_up_bias,
+                              layer.down_bias, loras[i])
+                if scale != 1.0:
+                    x = x * scale
             if hidden_out is not None and i + 1 in hidden_layers:
                 taps[i + 1] = rms_norm(x, self.final_norm, eps, residual)[0]
         rows = batch.logits_indices
@@ -248,7 +262,7 @@ class TransformerModel:
             hidden_out.extend(h if n is None else taps[n] for n in hidden_layers)
             return self._logits(h.index_select(0, rows))
         h, _ = rms_norm(x.index_select(0, rows), self.final_norm, eps,
-                        residual.index_select(0, rows))
+                        None if residual is None else residual.index_select(0, rows))
         return self._logits(h)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

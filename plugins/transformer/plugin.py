@@ -1,5 +1,5 @@
-"""Registers the decoder-only transformer family (Granite, Llama, Mistral, Phi-3, Qwen2,
-Qwen3, SmolLM2, SmolLM3)."""
+"""Registers the decoder-only transformer family (Granite, Llama, Mistral, OLMo 2, Phi-3,
+Qwen2, Qwen3, SmolLM2, SmolLM3)."""
 
 from heron.core.family import FamilySpec
 from heron.core.hookspecs import hookimpl
@@ -13,5 +13,6 @@ def heron_register_families(register):
         name="transformer",
         loader="heron.plugins.transformer.loader:load",
         architectures=(*ARCHITECTURES, *BARE_ARCHITECTURES, *CLASSIFIER_ARCHITECTURES),
-        gguf_architectures=("granite", "llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3"),
+        gguf_architectures=("granite", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3",
+                            "smollm3"),
     ))
