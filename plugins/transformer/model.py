@@ -227,7 +227,7 @@ class TransformerModel:
         x = F.embedding(batch.input_ids, self.embed)
         if self.cfg.embedding_multiplier != 1.0:
             x = x * self.cfg.embedding_multiplier
-        scale = self.cfg.residual_multiplier
+        residual_scale = self.cfg.residual_multiplier
         loras = layer_loras(cache.lora, cache.lora_scaling, batch.lora_slots,
                             batch.lora_groups, len(self.layers))
         residual = None
@@ -247,13 +247,13 @@ class TransformerModel:
                     h, residual = rms_norm(x, layer.input_norm, eps, residual)
                 x = attention(h, layer.attn, self.shape, batch, cache.layer_kv(i),
                               self.layer_cos_sin[i], loras[i])
-                if scale != 1.0:
-                    x = x * scale
+                if residual_scale != 1.0:
+                    x = x * residual_scale
                 h, residual = rms_norm(x, layer.post_norm, eps, residual)
                 x = gated_mlp(h, layer.gate_up, layer.down, layer.gate_up_bias,
                               layer.down_bias, loras[i])
-                if scale != 1.0:
-                    x = x * scale
+                if residual_scale != 1.0:
+                    x = x * residual_scale
             if hidden_out is not None and i + 1 in hidden_layers:
                 taps[i + 1] = rms_norm(x, self.final_norm, eps, residual)[0]
         rows = batch.logits_indices

@@ -19,7 +19,7 @@ from tests.tiny_models import build_tiny
 pytestmark = pytest.mark.gpu
 
 PROMPT_LENS = (5, 37, 64, 100)
-FAMILIES = ("granite", "llama", "llama3-rope", "mistral", "phi3", "qwen2", "qwen3",
+FAMILIES = ("granite", "llama", "llama3-rope", "mistral", "olmo2", "phi3", "qwen2", "qwen3",
             "qwen3-yarn", "smollm3")
 
 
