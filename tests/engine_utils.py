@@ -88,3 +88,18 @@ def relative_logit_error(mine: torch.Tensor, ref: torch.Tensor) -> float:
     """Largest absolute difference over the largest reference logit: a real model's logits
     reach ~30, where 30 layers of fp32 sums in another order differ by ~1e-4."""
     return ((mine - ref).abs().max() / ref.abs().max()).item()
+
+
+def assert_greedy_logits_match(engine: Engine, model, prompt: list[int],
+                               max_tokens: int = 6) -> None:
+    """A greedy run of ``prompt`` on ``engine``: its logits at every position (the
+    prompt's, then each new token's) match transformers' ``model`` on the same tokens."""
+    from heron.core.sampling_params import SamplingParams
+    recorder = LogitsRecorder(engine)
+    out, = engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                    ignore_eos=True, prompt_logprobs=0))
+    ids = prompt + out.outputs[0].token_ids[:-1]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    mine = torch.stack([recorder.rows[(out.request_id, pos)] for pos in range(len(ids))])
+    torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)

@@ -389,32 +389,21 @@ def test_a_smollm3_file_skips_rotary_every_fourth_layer(tmp_path):
     """llama.cpp's SmolLM3 files name no NoPE layers: every fourth goes without rotary, as
     transformers' default; heron's logits from the file match transformers' model of the
     checkpoint it was written from, at every position."""
-    from heron.core.sampling_params import SamplingParams
-    from tests.engine_utils import LogitsRecorder, make_engine
+    from tests.engine_utils import assert_greedy_logits_match, make_engine
     from tests.tiny_models import build_tiny
     hf_dir = tmp_path / "hf"
     model = build_tiny("smollm3", hf_dir, num_hidden_layers=4, no_rope_layers=None)
     assert model.config.no_rope_layers == [1, 1, 1, 0]
     path = tmp_path / "tiny-smollm3.gguf"
     write_decoder_gguf(hf_dir, path, "smollm3")
-    engine = make_engine(path)
-    recorder = LogitsRecorder(engine)
-    prompt = list(range(5, 45))
-    out, = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0,
-                                                    ignore_eos=True, prompt_logprobs=0))
-    ids = prompt + out.outputs[0].token_ids[:-1]
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0]
-    mine = torch.stack([recorder.rows[(out.request_id, pos)] for pos in range(len(ids))])
-    torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)
+    assert_greedy_logits_match(make_engine(path), model, list(range(5, 45)))
 
 
 def test_a_yarn_file_rotates_as_transformers(tmp_path):
     """A file whose rope is YaRN-scaled (Qwen's long-context recipe, as the converter writes
     it: type, factor, original context) matches transformers' model of its checkpoint past
     the original context."""
-    from heron.core.sampling_params import SamplingParams
-    from tests.engine_utils import LogitsRecorder, make_engine
+    from tests.engine_utils import assert_greedy_logits_match, make_engine
     from tests.tiny_models import YARN_ROPE, build_tiny
     hf_dir = tmp_path / "hf"
     model = build_tiny("qwen3", hf_dir, head_dim=32, rope_parameters=YARN_ROPE,
@@ -427,24 +416,14 @@ def test_a_yarn_file_rotates_as_transformers(tmp_path):
 
     path = tmp_path / "tiny-qwen3-yarn.gguf"
     write_decoder_gguf(hf_dir, path, "qwen3", meta=meta)
-    engine = make_engine(path)
-    recorder = LogitsRecorder(engine)
-    prompt = list(range(5, 105))
-    out, = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0,
-                                                    ignore_eos=True, prompt_logprobs=0))
-    ids = prompt + out.outputs[0].token_ids[:-1]
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0]
-    mine = torch.stack([recorder.rows[(out.request_id, pos)] for pos in range(len(ids))])
-    torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)
+    assert_greedy_logits_match(make_engine(path), model, list(range(5, 105)))
 
 
 def test_a_phi3_file_with_fused_projections_matches_transformers(tmp_path):
     """llama.cpp's Phi-3 files keep q/k/v (``attn_qkv``) and gate/up (``ffn_up``) fused and
     name the rotated dims (``rope.dimension_count``, half a head here); heron's logits from
     one match transformers' model of its checkpoint. A LongRoPE file is refused by name."""
-    from heron.core.sampling_params import SamplingParams
-    from tests.engine_utils import LogitsRecorder, make_engine
+    from tests.engine_utils import assert_greedy_logits_match, make_engine
     from tests.tiny_models import build_tiny
     hf_dir = tmp_path / "hf"
     model = build_tiny("phi3", hf_dir)
@@ -456,16 +435,7 @@ def test_a_phi3_file_with_fused_projections_matches_transformers(tmp_path):
 
     path = tmp_path / "tiny-phi3.gguf"
     write_decoder_gguf(hf_dir, path, "phi3", meta=meta)
-    engine = make_engine(path)
-    recorder = LogitsRecorder(engine)
-    prompt = list(range(5, 45))
-    out, = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0,
-                                                    ignore_eos=True, prompt_logprobs=0))
-    ids = prompt + out.outputs[0].token_ids[:-1]
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0]
-    mine = torch.stack([recorder.rows[(out.request_id, pos)] for pos in range(len(ids))])
-    torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)
+    assert_greedy_logits_match(make_engine(path), model, list(range(5, 45)))
     longrope = tmp_path / "longrope.gguf"
     factors = torch.ones(4)
     write_decoder_gguf(hf_dir, longrope, "phi3", meta=meta,
@@ -479,8 +449,7 @@ def test_a_granite_file_carries_its_multipliers(tmp_path):
     """llama.cpp's Granite files keep the multipliers as ``embedding_scale``,
     ``residual_scale``, ``attention.scale`` and ``logit_scale``; heron's logits from one
     match transformers' model of its checkpoint."""
-    from heron.core.sampling_params import SamplingParams
-    from tests.engine_utils import LogitsRecorder, make_engine
+    from tests.engine_utils import assert_greedy_logits_match, make_engine
     from tests.tiny_models import build_tiny
     hf_dir = tmp_path / "hf"
     model = build_tiny("granite", hf_dir)
@@ -494,16 +463,7 @@ def test_a_granite_file_carries_its_multipliers(tmp_path):
 
     path = tmp_path / "tiny-granite.gguf"
     write_decoder_gguf(hf_dir, path, "granite", meta=meta)
-    engine = make_engine(path)
-    recorder = LogitsRecorder(engine)
-    prompt = list(range(5, 45))
-    out, = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0,
-                                                    ignore_eos=True, prompt_logprobs=0))
-    ids = prompt + out.outputs[0].token_ids[:-1]
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0]
-    mine = torch.stack([recorder.rows[(out.request_id, pos)] for pos in range(len(ids))])
-    torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)
+    assert_greedy_logits_match(make_engine(path), model, list(range(5, 45)))
 
 
 def test_an_olmo2_file_norms_after_its_sublayers(tmp_path):
@@ -511,23 +471,13 @@ def test_an_olmo2_file_norms_after_its_sublayers(tmp_path):
     (``post_attention_norm``, ``post_ffw_norm``) and q/k norms over all heads; heron's
     logits from one match transformers' model of its checkpoint. An OLMo 3 file (the same
     architecture, three layers in four windowed) is served up to its window."""
-    from heron.core.sampling_params import SamplingParams
-    from tests.engine_utils import LogitsRecorder, make_engine
+    from tests.engine_utils import assert_greedy_logits_match, make_engine
     from tests.tiny_models import build_tiny
     hf_dir = tmp_path / "hf"
     model = build_tiny("olmo2", hf_dir)
     path = tmp_path / "tiny-olmo2.gguf"
     write_decoder_gguf(hf_dir, path, "olmo2")
-    engine = make_engine(path)
-    recorder = LogitsRecorder(engine)
-    prompt = list(range(5, 45))
-    out, = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0,
-                                                    ignore_eos=True, prompt_logprobs=0))
-    ids = prompt + out.outputs[0].token_ids[:-1]
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0]
-    mine = torch.stack([recorder.rows[(out.request_id, pos)] for pos in range(len(ids))])
-    torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)
+    assert_greedy_logits_match(make_engine(path), model, list(range(5, 45)))
 
     def olmo3(writer):  # as the converter writes OLMo 3's
         writer.add_sliding_window(64)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from heron.core.sampling_params import SamplingParams
-from tests.engine_utils import LogitsRecorder, make_engine
+from tests.engine_utils import LogitsRecorder, assert_greedy_logits_match, make_engine
 from tests.tiny_models import FAMILIES, build_tiny
 
 PROMPT_LENS = (5, 37, 64, 100)  # 37 and 100 do not divide the block size
@@ -91,15 +91,8 @@ def test_a_sliding_window_caps_the_context_where_attention_agrees(tmp_path, kind
     model = build_tiny(kind, tmp_path, **window)
     engine = make_engine(tmp_path, **{"model.max_model_len": 256})
     assert engine.max_model_len == 48
-    recorder = LogitsRecorder(engine)
     prompt = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(2)).tolist()
-    out, = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0,
-                                                    ignore_eos=True, prompt_logprobs=0))
-    ids = prompt + out.outputs[0].token_ids[:-1]
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0]
-    mine = torch.stack([recorder.rows[(out.request_id, pos)] for pos in range(len(ids))])
-    torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)
+    assert_greedy_logits_match(engine, model, prompt, max_tokens=8)
     with pytest.raises(ValueError, match="context of 48 tokens"):
         engine.generate([prompt], SamplingParams(max_tokens=9))
 
