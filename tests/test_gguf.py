@@ -12,9 +12,12 @@ bit-identical tensors.
 
 from __future__ import annotations
 
+import json
+
 import gguf
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 from gguf import GGMLQuantizationType as Q
 
@@ -296,10 +299,6 @@ def write_decoder_gguf(hf_dir, path, arch: str, named=None, drop=(), meta=None) 
     special tokens and merges, its tensors under gguf-py's names, q and k rows permuted
     for Llama's kind (``LlamaModel.permute``); ``drop``: tensors left out, ``named``: more
     under their GGUF names, ``meta(writer)``: more keys."""
-    import json
-
-    import safetensors.torch
-
     from tests.test_bert_gguf import _bpe_vocab, _finish
     config = json.loads((hf_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(str(path), arch)
@@ -344,7 +343,6 @@ def write_qwen3_reranker_gguf(hf_dir, path, yes: int, no: int) -> None:
         writer.add_classifier_output_labels(["yes", "no"])
         writer.add_chat_template([{"name": "rerank", "template": LLAMA_CPP_RERANK}])
 
-    import safetensors.torch
     head = safetensors.torch.load_file(hf_dir / "model.safetensors")["lm_head.weight"]
     write_decoder_gguf(hf_dir, path, "qwen3", meta=meta, drop=["lm_head.weight"],
                        named={"cls.output.weight": torch.stack([head[yes], head[no]])})

@@ -47,6 +47,7 @@ class LayerFlags:
     o_bias: bool = False
     qk_norm: bool = False
     mlp_bias: bool = False
+    norms_after: bool = False  # an MTP layer norms its inputs, whatever its target does
 
 
 @dataclass
