@@ -17,6 +17,11 @@ COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_
 YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
              "original_max_position_embeddings": 64}
 
+# Granite's multipliers: granite-3.3-8b's for the embeddings and residuals; for attention
+# one that suits a tiny head
+GRANITE = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+           "attention_multiplier": 0.09}
+
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
@@ -33,11 +38,9 @@ FAMILIES = {
     "qwen3-yarn": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config,
                    {"head_dim": 32, "rope_parameters": YARN_ROPE,
                     "max_position_embeddings": 256}),
-    # Granite's multipliers: granite-3.3-8b's for the embeddings and residuals; for attention
-    # and logits ones that suit a tiny model (its logits stay past 1)
+    # a logits divisor smaller than granite's 16 keeps the tiny model's logits past 1
     "granite": (transformers.GraniteForCausalLM, transformers.GraniteConfig,
-                {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
-                 "attention_multiplier": 0.09, "logits_scaling": 4.0}),
+                {**GRANITE, "logits_scaling": 4.0}),
     # OLMo 2's norms after attention and MLP, q/k norms over all heads
     "olmo2": (transformers.Olmo2ForCausalLM, transformers.Olmo2Config, {}),
     # Phi-3's q/k/v and gate/up fused; half of each head rotating (Phi-4-mini's is 3/4)
@@ -57,9 +60,7 @@ BARE = {
     "mistral-bare": (transformers.MistralModel, transformers.MistralConfig, {}),
     "qwen2-bare": (transformers.Qwen2Model, transformers.Qwen2Config, {}),
     "qwen3-bare": (transformers.Qwen3Model, transformers.Qwen3Config, {"head_dim": 32}),
-    "granite-bare": (transformers.GraniteModel, transformers.GraniteConfig,
-                     {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
-                      "attention_multiplier": 0.09}),
+    "granite-bare": (transformers.GraniteModel, transformers.GraniteConfig, GRANITE),
     "olmo2-bare": (transformers.Olmo2Model, transformers.Olmo2Config, {}),
     "phi3-bare": (transformers.Phi3Model, transformers.Phi3Config,
                   {"partial_rotary_factor": 0.5}),
