@@ -309,7 +309,8 @@ def write_decoder_gguf(hf_dir, path, arch: str, named=None, drop=(), meta=None) 
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    rope = config["rope_parameters"]
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if "head_dim" in config:
         writer.add_key_length(config["head_dim"])
@@ -467,8 +468,7 @@ def test_a_granite_file_carries_its_multipliers(tmp_path):
 def test_an_olmo2_file_norms_after_its_sublayers(tmp_path):
     """llama.cpp's OLMo 2 files: norms on the attention's and MLP's outputs
     (``post_attention_norm``, ``post_ffw_norm``) and q/k norms over all heads; heron's
-    logits from one match transformers' model of its checkpoint. An OLMo 3 file (the same
-    architecture, three layers in four windowed) is served up to its window."""
+    logits from one match transformers' model of its checkpoint."""
     from tests.engine_utils import assert_greedy_logits_match, make_engine
     from tests.tiny_models import build_tiny
     hf_dir = tmp_path / "hf"
@@ -477,10 +477,26 @@ def test_an_olmo2_file_norms_after_its_sublayers(tmp_path):
     write_decoder_gguf(hf_dir, path, "olmo2")
     assert_greedy_logits_match(make_engine(path), model, list(range(5, 45)))
 
-    def olmo3(writer):  # as the converter writes OLMo 3's
+
+def test_an_olmo3_file_rotates_its_windowed_layers_plainly(tmp_path):
+    """The converter writes OLMo 3 as ``olmo2`` with a window, its pattern, the full layers'
+    YaRN and the windowed layers' base; as llama.cpp runs it, those rotate unscaled.
+    heron serves such a file up to its window, its logits transformers' there."""
+    from tests.engine_utils import assert_greedy_logits_match, make_engine
+    from tests.tiny_models import OLMO3, YARN_ROPE, build_tiny
+    hf_dir = tmp_path / "hf"
+    model = build_tiny("olmo3", hf_dir, sliding_window=64)
+
+    def meta(writer):  # as `Olmo2Model.set_gguf_parameters` and the base rope keys add them
+        writer.add_rope_freq_base_swa(OLMO3["rope_parameters"]["sliding_attention"]["rope_theta"])
         writer.add_sliding_window(64)
         writer.add_sliding_window_pattern([True, False])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(YARN_ROPE["factor"])
+        writer.add_rope_scaling_orig_ctx_len(YARN_ROPE["original_max_position_embeddings"])
 
-    windowed = tmp_path / "tiny-olmo3.gguf"
-    write_decoder_gguf(hf_dir, windowed, "olmo2", meta=olmo3)
-    assert make_engine(windowed).max_model_len == 64
+    path = tmp_path / "tiny-olmo3.gguf"
+    write_decoder_gguf(hf_dir, path, "olmo2", meta=meta)
+    engine = make_engine(path)
+    assert engine.max_model_len == 64
+    assert_greedy_logits_match(engine, model, list(range(5, 55)))

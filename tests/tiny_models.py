@@ -22,6 +22,12 @@ YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
 GRANITE = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
            "attention_multiplier": 0.09}
 
+# OLMo 3's rope per layer type: YaRN on its full layers only (and here, another base for the
+# windowed ones)
+OLMO3 = {"layer_types": ["sliding_attention", "full_attention"], "max_position_embeddings": 256,
+         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 20000.0},
+                             "full_attention": YARN_ROPE}}
+
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
@@ -43,6 +49,8 @@ FAMILIES = {
                 {**GRANITE, "logits_scaling": 4.0}),
     # OLMo 2's norms after attention and MLP, q/k norms over all heads
     "olmo2": (transformers.Olmo2ForCausalLM, transformers.Olmo2Config, {}),
+    # OLMo 3's: and a rope per layer type
+    "olmo3": (transformers.Olmo3ForCausalLM, transformers.Olmo3Config, OLMO3),
     # Phi-3's q/k/v and gate/up fused; half of each head rotating (Phi-4-mini's is 3/4)
     "phi3": (transformers.Phi3ForCausalLM, transformers.Phi3Config,
              {"partial_rotary_factor": 0.5}),
@@ -62,6 +70,7 @@ BARE = {
     "qwen3-bare": (transformers.Qwen3Model, transformers.Qwen3Config, {"head_dim": 32}),
     "granite-bare": (transformers.GraniteModel, transformers.GraniteConfig, GRANITE),
     "olmo2-bare": (transformers.Olmo2Model, transformers.Olmo2Config, {}),
+    "olmo3-bare": (transformers.Olmo3Model, transformers.Olmo3Config, OLMO3),
     "phi3-bare": (transformers.Phi3Model, transformers.Phi3Config,
                   {"partial_rotary_factor": 0.5}),
     "smollm3-bare": (transformers.SmolLM3Model, transformers.SmolLM3Config,
@@ -81,6 +90,8 @@ CLASSIFIERS = {
                   {"head_dim": 32, "num_labels": 1}),
     "olmo2-cls": (transformers.Olmo2ForSequenceClassification, transformers.Olmo2Config,
                   {"num_labels": 1}),
+    "olmo3-cls": (transformers.Olmo3ForSequenceClassification, transformers.Olmo3Config,
+                  {**OLMO3, "num_labels": 1}),
     "phi3-cls": (transformers.Phi3ForSequenceClassification, transformers.Phi3Config,
                  {"partial_rotary_factor": 0.5, "num_labels": 1}),
     "smollm3-cls": (transformers.SmolLM3ForSequenceClassification, transformers.SmolLM3Config,

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ARCHITECTURES = ("GraniteForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
-                 "Olmo2ForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
-                 "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
+                 "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Phi3ForCausalLM",
+                 "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
+_OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 # the same models saved without their LM head (embedding models): architecture -> with one
 BARE_ARCHITECTURES = {a.removesuffix("ForCausalLM") + "Model": a for a in ARCHITECTURES}
 # ... and with a score head in its place (classifiers, cross-encoders, reward models; Granite
@@ -54,6 +55,10 @@ class TransformerConfig:
     # OLMo 2's layers norm their attention's and MLP's outputs before adding them, rather
     # than their inputs, and its q/k norms span all heads
     norms_after: bool = False
+    # layers whose rope is their own, (theta, scaling): OLMo 3's windowed layers rotate
+    # without the YaRN scaling its full layers have
+    local_rope_layers: frozenset[int] = frozenset()
+    local_rope: tuple[float, dict | None] = (10000.0, None)
 
     @property
     def max_context_len(self) -> int:
@@ -71,14 +76,18 @@ class TransformerConfig:
             raise ValueError(f"the transformer family does not serve {arch!r}")
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        # transformers 5 keeps rope settings in `rope_parameters`; older configs use
-        # `rope_theta` + `rope_scaling`
-        rope = dict(cfg.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
-        partial = rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor", 1.0)
-        scaling = rope or cfg.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
-            scaling = None
+        params = cfg.get("rope_parameters") or {}
+        layer_types = cfg.get("layer_types") or ()
+        local = None
+        if "full_attention" in params:  # one rope per layer type (OLMo 3's)
+            theta, partial, scaling = _rope(params["full_attention"], {})
+            local = _rope(params.get("sliding_attention"), {})
+        else:
+            theta, partial, scaling = _rope(params, cfg)
+            if arch == "Olmo3ForCausalLM":  # an older config's scaling is the full layers'
+                local = (theta, partial, None)
+        local_layers = frozenset(i for i, kind in enumerate(layer_types)
+                                 if kind == "sliding_attention") if local else frozenset()
         positions = cfg.get("max_position_embeddings", 2048)
         if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn":
             # YaRN stretches the original context by its factor (vLLM's reading; Qwen's
@@ -99,7 +108,7 @@ class TransformerConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -108,7 +117,7 @@ class TransformerConfig:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch in ("Olmo2ForCausalLM", "Qwen3ForCausalLM"),
+            qk_norm=arch in (*_OLMO, "Qwen3ForCausalLM"),
             eos_token_ids=eos_ids,
             sliding_window=_sliding_window(cfg, arch),
             nope_layers=_nope_layers(cfg) if arch == "SmolLM3ForCausalLM" else frozenset(),
@@ -117,8 +126,23 @@ class TransformerConfig:
             residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
             attention_multiplier=cfg.get("attention_multiplier"),
             logits_scaling=float(cfg.get("logits_scaling", 1.0)),
-            norms_after=arch == "Olmo2ForCausalLM",
+            norms_after=arch in _OLMO,
+            local_rope_layers=local_layers,
+            local_rope=(local[0], local[2]) if local else (theta, None),
         )
+
+
+def _rope(params: dict | None, cfg: dict) -> tuple[float, float, dict | None]:
+    """(theta, the rotated fraction of a head, the scaling or None) of one rope setting:
+    transformers 5's ``rope_parameters`` (or one layer type's), else an older config's
+    ``rope_theta`` and ``rope_scaling``."""
+    rope = dict(params or {})
+    theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+    partial = rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor", 1.0)
+    scaling = rope or cfg.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        scaling = None
+    return float(theta), partial, scaling
 
 
 def _nope_layers(cfg: dict) -> frozenset[int]:

@@ -147,7 +147,7 @@ def gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         config["partial_rotary_factor"] = rotated / config["head_dim"]
     if window := key("attention.sliding_window"):  # Phi-3's; 0 for none (Phi-4)
         config["sliding_window"] = window
-        if pattern := _field(reader, f"{arch}.attention.sliding_window_pattern"):  # OLMo 3's
+        if pattern := _field(reader, f"{arch}.attention.sliding_window_pattern"):
             config["layer_types"] = ["sliding_attention" if windowed else "full_attention"
                                      for windowed in pattern]
     scaling = key("rope.scaling.type")
@@ -164,6 +164,14 @@ def gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
                 rope[name] = float(value)
         config["rope_parameters"] = rope
         config["rope_scaling"] = dict(rope)
+    if arch == "olmo2" and "layer_types" in config:
+        # OLMo 3's files: the scaling is its full layers', the windowed ones rotate plainly
+        # (at rope.freq_base_swa), as llama.cpp runs them
+        config["architectures"], config["model_type"] = ["Olmo3ForCausalLM"], "olmo3"
+        config["rope_parameters"] = {
+            "full_attention": config["rope_parameters"],
+            "sliding_attention": {"rope_type": "default",
+                                  "rope_theta": float(key("rope.freq_base_swa", theta))}}
     if arch != "qwen2" and "blk.0.attn_q.bias" in names:
         config["attention_bias"] = True  # qwen2 always has q/k/v bias; its config has no flag
     return config

@@ -1,5 +1,5 @@
-"""Decoder-only transformer math (Llama / Mistral / Granite / OLMo 2 / Phi-3 / Qwen2 / Qwen3
-/ SmolLM3) over paged KV.
+"""Decoder-only transformer math (Llama / Mistral / Granite / OLMo 2 and 3 / Phi-3 / Qwen2 /
+Qwen3 / SmolLM3) over paged KV.
 
 Plain tensors and functional ops, no nn.Module: the weights are fused at load time
 (q/k/v into one projection, gate/up into one) so each layer is four matmuls.
@@ -208,7 +208,11 @@ class TransformerModel:
         self.cos_sin = rope_cos_sin_cache(cfg.rotary_dim or cfg.head_dim,
                                           cfg.max_position_embeddings, cfg.rope_theta,
                                           cfg.rope_scaling).to(device)
-        self.layer_cos_sin = [None if i in cfg.nope_layers else self.cos_sin
+        local = (rope_cos_sin_cache(cfg.rotary_dim or cfg.head_dim,
+                                    cfg.max_position_embeddings, *cfg.local_rope).to(device)
+                 if cfg.local_rope_layers else None)
+        self.layer_cos_sin = [None if i in cfg.nope_layers else
+                              local if i in cfg.local_rope_layers else self.cos_sin
                               for i in range(cfg.num_layers)]
         self.shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                     cfg.attention_multiplier or cfg.head_dim ** -0.5,

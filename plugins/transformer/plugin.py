@@ -1,5 +1,5 @@
-"""Registers the decoder-only transformer family (Granite, Llama, Mistral, OLMo 2, Phi-3,
-Qwen2, Qwen3, SmolLM2, SmolLM3)."""
+"""Registers the decoder-only transformer family (Granite, Llama, Mistral, OLMo 2 and 3,
+Phi-3, Qwen2, Qwen3, SmolLM2, SmolLM3)."""
 
 from heron.core.family import FamilySpec
 from heron.core.hookspecs import hookimpl

@@ -19,8 +19,8 @@ from tests.tiny_models import build_tiny
 pytestmark = pytest.mark.gpu
 
 PROMPT_LENS = (5, 37, 64, 100)
-FAMILIES = ("granite", "llama", "llama3-rope", "mistral", "olmo2", "phi3", "qwen2", "qwen3",
-            "qwen3-yarn", "smollm3")
+FAMILIES = ("granite", "llama", "llama3-rope", "mistral", "olmo2", "olmo3", "phi3", "qwen2",
+            "qwen3", "qwen3-yarn", "smollm3")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
