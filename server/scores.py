@@ -124,8 +124,10 @@ def _templated_pair(tokenizer: Tokenizer, query: str, document: str,
         return tokenizer.encode(tokenizer.apply_score_template(query, doc, **(kwargs or {})))
 
     ids = render(document)
+    if keep is None or len(ids) <= keep:
+        return ids
     words = tokenizer.encode(document, add_special_tokens=False)
-    while keep is not None and len(ids) > keep:
+    while len(ids) > keep:
         if not words:
             raise ValueError(f"the score template and the query alone take {len(ids)} tokens, "
                              f"more than {keep}")
