@@ -1,7 +1,8 @@
 """The tokenizer: a `tokenizers.Tokenizer` plus the facts about it the engine needs.
 
 Built either from a Hugging Face model directory (``tokenizer.json`` and friends) or from a
-GGUF file's metadata (byte-level BPE, WordPiece and Unigram vocabularies, see `from_gguf`).
+GGUF file's metadata (byte-level and sentencepiece BPE, WordPiece and Unigram vocabularies,
+see `from_gguf`).
 No `transformers` tokenizer runs on the serving path; transformers is only the oracle in
 tests (and the converter of last resort for a directory without ``tokenizer.json``).
 
@@ -223,12 +224,14 @@ class Tokenizer:
         """The tokenizer a GGUF file's metadata describes (``reader``: a `gguf.GGUFReader`).
 
         Byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``: GPT-2, Llama 3,
-        Qwen, SmolLM, RoBERTa...), BERT's WordPiece ones (``"bert"``) and sentencepiece
-        Unigram ones (``"t5"``, XLM-RoBERTa's) are supported; others raise ValueError.
-        Control tokens (type 3) become special tokens, user-defined ones (type 4) plain
-        added tokens. WordPiece and Unigram vocabularies, and any with ``encoder`` (the
-        file is an encoder's), get an encoder's special tokens around a text and a pair
-        (`_gguf_encoder`); a decoder's BPE its BOS and EOS where the file adds them.
+        Qwen, SmolLM, RoBERTa...), sentencepiece BPE ones (``"llama"``: Llama 2, Mistral
+        7B), BERT's WordPiece ones (``"bert"``) and sentencepiece Unigram ones (``"t5"``,
+        XLM-RoBERTa's) are supported; others raise ValueError. Control tokens (type 3)
+        become special tokens, user-defined ones (type 4) plain added tokens. WordPiece and
+        Unigram vocabularies, and any with ``encoder`` (the file is an encoder's), get an
+        encoder's special tokens around a text and a pair (`_gguf_encoder`); a decoder's
+        BPE its BOS and EOS where the file adds them (a BOS by default for "llama", as
+        llama.cpp).
         """
         def field(key: str, default: Any = None) -> Any:
             f = reader.fields.get(key)
@@ -276,8 +279,7 @@ class Tokenizer:
         for the last); a pair gets the separator again between its texts where
         ``add_sep_token`` says so (RoBERTa's), and its second text is typed 1 where the
         model has two token types."""
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t, k in zip(tokens, types) if k in (2, 3)])
+        _add_gguf_tokens(backend, tokens, types, special=(2, 3), user=())
 
         def named(*keys: str) -> list[str]:
             return [t for key in keys if (t := _gguf_token(tokens, field, key))]
@@ -338,8 +340,7 @@ def _gguf_unigram(tokens: list[str], types: list[int], field) -> tokenizers.Toke
         [tokenizers.pre_tokenizers.WhitespaceSplit(), words])
         if field("tokenizer.ggml.remove_extra_whitespaces", True) else words)
     backend.decoder = tokenizers.decoders.Metaspace(prepend_scheme=prepend)
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, k in zip(tokens, types) if k == 4])
+    _add_gguf_tokens(backend, tokens, types, special=())
     return backend
 
 
@@ -374,11 +375,18 @@ def _gguf_spm(tokens: list[str], types: list[int], field) -> tokenizers.Tokenize
     backend.normalizer = spaces
     backend.decoder = tokenizers.decoders.Sequence(decode)
     # llama.cpp matches its control, unknown and user-defined tokens in a text as they are
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, k in zip(tokens, types) if k in (2, 3)])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, k in zip(tokens, types) if k == 4])
+    _add_gguf_tokens(backend, tokens, types, special=(2, 3))
     return backend
+
+
+def _add_gguf_tokens(backend: tokenizers.Tokenizer, tokens: list[str], types: list[int],
+                     special: tuple[int, ...] = (3,), user: tuple[int, ...] = (4,)) -> None:
+    """The file's tokens a text holds as they are: those of the ``special`` types (control:
+    3, unknown: 2) as special tokens, of the ``user`` types (user-defined: 4) as plain ones."""
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(tokens, types) if k in special])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, k in zip(tokens, types) if k in user])
 
 
 def _gguf_token(tokens: list[str], field, key: str) -> str | None:
@@ -465,10 +473,7 @@ def _gguf_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str) 
     backend = tokenizers.Tokenizer(model)
     backend.pre_tokenizer = pre_tokenizer
     backend.decoder = tokenizers.decoders.ByteLevel()
-    control = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=True) if k == 3]
-    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types, strict=True) if k == 4]
-    backend.add_special_tokens(control)
-    backend.add_tokens(user)
+    _add_gguf_tokens(backend, tokens, types)
     return backend
 
 
