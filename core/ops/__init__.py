@@ -14,12 +14,13 @@ from heron.core.ops.cuda.launch import launch as launch_kernel
 from heron.core.ops.linear import linear, pack_weight
 from heron.core.ops.norm import rms_norm, rms_norm_ref
 from heron.core.ops.packed_attention import packed_attention
-from heron.core.ops.rotary import rope_cos_sin_cache, rope_inv_freq, rotary, rotary_ref
+from heron.core.ops.rotary import (rope_cos_sin_cache, rope_inv_freq, rope_type, rotary,
+                                   rotary_ref)
 
 __all__ = [
     "dtype_code", "f32", "i32", "i64", "launch_kernel", "linear", "pack_weight",
     "packed_attention", "packed_rows",
     "paged_attention", "paged_attention_ref", "rms_norm", "rms_norm_ref", "rope_cos_sin_cache",
-    "rope_inv_freq", "rotary", "rotary_ref", "rotary_write_kv", "rotary_write_kv_ref",
+    "rope_inv_freq", "rope_type", "rotary", "rotary_ref", "rotary_write_kv", "rotary_write_kv_ref",
     "silu_and_mul", "silu_and_mul_ref", "write_kv", "write_kv_ref",
 ]

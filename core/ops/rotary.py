@@ -7,7 +7,9 @@ import math
 import torch
 
 
-def _rope_type(scaling: dict | None) -> str:
+def rope_type(scaling: dict | None) -> str:
+    """A rope scaling's type, as transformers 5 (``rope_type``) or older configs (``type``)
+    name it; "default" for none."""
     return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
 
 
@@ -18,14 +20,14 @@ def rope_inv_freq(rot_dim: int, base: float, scaling: dict | None = None) -> tor
     (whose cos and sin are also scaled: `rope_attention_factor`).
     """
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).double() / rot_dim))
-    rope_type = _rope_type(scaling)
-    if rope_type == "default":
+    kind = rope_type(scaling)
+    if kind == "default":
         return inv_freq.float()
-    if rope_type == "yarn":
+    if kind == "yarn":
         return _yarn_inv_freq(rot_dim, base, scaling)
-    if rope_type == "linear":
+    if kind == "linear":
         return (inv_freq / scaling["factor"]).float()
-    if rope_type == "llama3":
+    if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_ctx = scaling["original_max_position_embeddings"]
@@ -36,7 +38,7 @@ def rope_inv_freq(rot_dim: int, base: float, scaling: dict | None = None) -> tor
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_medium, smoothed, scaled).float()
-    raise ValueError(f"unsupported rope scaling type {rope_type!r} (heron serves default, "
+    raise ValueError(f"unsupported rope scaling type {kind!r} (heron serves default, "
                      "linear, llama3 and yarn)")
 
 
@@ -64,7 +66,7 @@ def rope_attention_factor(scaling: dict | None) -> float:
     """What cos and sin are multiplied by (YaRN's attention temperature, so that the
     logits grow by its square): ``attention_factor``, else from ``factor`` (and
     DeepSeek's ``mscale`` / ``mscale_all_dim``); 1 for other rope types."""
-    if _rope_type(scaling) != "yarn":
+    if rope_type(scaling) != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])

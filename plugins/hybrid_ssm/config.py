@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from heron.plugins.transformer.config import rope_settings
+
 ARCHITECTURES = ("Mamba2ForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM",
                  "NemotronHForCausalLM", "FalconH1ForCausalLM")
 
@@ -132,13 +134,8 @@ def _dt_limit(cfg: dict, key: str = "time_step_limit") -> tuple[float, float]:
 
 
 def _rope(cfg: dict, head_dim: int, partial: float = 1.0) -> dict:
-    rope = dict(cfg.get("rope_parameters") or {})
-    theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
-    partial = rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or partial
-    scaling = rope or cfg.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
-        scaling = None
-    return dict(rope_dim=int(head_dim * partial), rope_theta=float(theta), rope_scaling=scaling)
+    theta, partial, scaling = rope_settings(cfg.get("rope_parameters"), cfg, partial)
+    return dict(rope_dim=int(head_dim * partial), rope_theta=theta, rope_scaling=scaling)
 
 
 def _attention(cfg: dict, *, rope: bool, partial: float = 1.0, scale: float | None = None,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from heron.core.ops.rotary import rope_type
+
 ARCHITECTURES = ("GraniteForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
                  "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Phi3ForCausalLM",
                  "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
@@ -80,16 +82,16 @@ class TransformerConfig:
         layer_types = cfg.get("layer_types") or ()
         local = None
         if "full_attention" in params:  # one rope per layer type (OLMo 3's)
-            theta, partial, scaling = _rope(params["full_attention"], {})
-            local = _rope(params.get("sliding_attention"), {})
+            theta, partial, scaling = rope_settings(params["full_attention"], {})
+            local = rope_settings(params.get("sliding_attention"), {})
         else:
-            theta, partial, scaling = _rope(params, cfg)
+            theta, partial, scaling = rope_settings(params, cfg)
             if arch == "Olmo3ForCausalLM":  # an older config's scaling is the full layers'
                 local = (theta, partial, None)
         local_layers = frozenset(i for i, kind in enumerate(layer_types)
                                  if kind == "sliding_attention") if local else frozenset()
         positions = cfg.get("max_position_embeddings", 2048)
-        if scaling and scaling.get("rope_type", scaling.get("type")) == "yarn":
+        if rope_type(scaling) == "yarn":
             # YaRN stretches the original context by its factor (vLLM's reading; Qwen's
             # long-context recipe adds the scaling and leaves the positions as they were)
             positions = max(positions, int(scaling["original_max_position_embeddings"]
@@ -132,17 +134,17 @@ class TransformerConfig:
         )
 
 
-def _rope(params: dict | None, cfg: dict) -> tuple[float, float, dict | None]:
+def rope_settings(params: dict | None, cfg: dict, partial: float = 1.0
+                  ) -> tuple[float, float, dict | None]:
     """(theta, the rotated fraction of a head, the scaling or None) of one rope setting:
     transformers 5's ``rope_parameters`` (or one layer type's), else an older config's
-    ``rope_theta`` and ``rope_scaling``."""
+    ``rope_theta``, ``partial_rotary_factor`` and ``rope_scaling``; ``partial`` where
+    neither names the fraction."""
     rope = dict(params or {})
     theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
-    partial = rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor", 1.0)
+    partial = rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or partial
     scaling = rope or cfg.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
-        scaling = None
-    return float(theta), partial, scaling
+    return float(theta), partial, None if rope_type(scaling) == "default" else scaling
 
 
 def _nope_layers(cfg: dict) -> frozenset[int]:
